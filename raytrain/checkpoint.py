@@ -1,0 +1,110 @@
+"""Training-state checkpoints: one explicit dict, and resume mirrors save.
+
+Everything in it is a tensor, number, string, list, tuple or dict, so it loads with
+``torch.load(weights_only=True)``: a checkpoint can never run code when read.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytrain.config import RaytrainError
+
+FORMAT = "raytrain-checkpoint-v1"
+STATE_FILE = "state.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def training_state(model, optimizer, scheduler, scaler, epoch: int, step: int,
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The full state after ``epoch`` epochs (``model`` is the unwrapped module)."""
+    return {
+        "format": FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "epoch": epoch,
+        "step": step,
+        "rng": rng_state(),
+        "config": config,
+    }
+
+
+def restore(state: dict[str, Any], model, optimizer, scheduler, scaler) -> tuple[int, int]:
+    """Load ``state`` into the training objects; returns (epochs done, global step)."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"] is not None and scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+    set_rng_state(state["rng"])
+    return state["epoch"], state["step"]
+
+
+def save(state: dict[str, Any], directory: str) -> str:
+    """Write ``state`` into ``directory`` atomically (temp file, then rename)."""
+    path = os.path.join(directory, STATE_FILE)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_file(path: str) -> Any:
+    """``torch.load`` with weights_only=True; any failure is one line naming the file."""
+    if os.path.isdir(path):
+        path = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(path):
+        raise RaytrainError(f"{path}: no such checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if "weights_only" in str(err) or "Unsupported global" in str(err):
+            why = "it holds Python objects other than tensors (refused, nothing was run)"
+        else:
+            why = f"it is truncated or not a torch file ({type(err).__name__}: {first[:80]})"
+        raise RaytrainError(f"{path}: cannot load checkpoint: {why}") from None
+
+
+def load_state(directory: str) -> dict[str, Any]:
+    """A raytrain training checkpoint from a checkpoint directory."""
+    state = load_file(directory)
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise RaytrainError(f"{directory}: not a raytrain training checkpoint")
+    return state
+
+
+def model_weights(path: str) -> dict[str, torch.Tensor]:
+    """Model weights from a checkpoint directory, a state.pt or an exported model.pt."""
+    state = load_file(path)
+    if isinstance(state, dict) and state.get("format") == FORMAT:
+        state = state["model"]
+    if not isinstance(state, dict) or not state or \
+            not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise RaytrainError(f"{path}: not a model state_dict or raytrain checkpoint")
+    return state

@@ -1,0 +1,275 @@
+"""One typed training config, checked once.
+
+Every field of the section dataclasses below is a CLI flag (``lr`` -> ``--lr``) and a YAML key
+(``lr: 0.05``, flat or under its section name). The flags are derived from these fields; nothing
+lists them twice. ``python -m raytrain.fit --help`` prints them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine", "onecycle")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+NAN_POLICIES = ("stop", "skip")
+
+
+class RaytrainError(Exception):
+    """An error the user can fix; the CLI prints it as one line and exits 2."""
+
+
+class ConfigError(RaytrainError):
+    """A bad setting: names the flag, the value given and what is accepted."""
+
+    def __init__(self, key: str, value: Any, accepted: str, source: str | None = None):
+        self.key, self.value, self.accepted = key, value, accepted
+        where = f"{key} (in {source})" if source else "--" + key.replace("_", "-")
+        super().__init__(f"{where}: got {value!r}; expected {accepted}")
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def parse_num_workers(value: Any) -> int | tuple[int, int]:
+    """``4`` -> 4; ``"2:8"`` -> (2, 8) for Ray's elastic mode."""
+    accepted = "a whole number >= 1, or MIN:MAX with 1 <= MIN <= MAX"
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        value = f"{value[0]}:{value[1]}"
+    text = str(value).strip()
+    try:
+        parts = [int(p) for p in text.split(":")] if not isinstance(value, bool) else []
+    except ValueError:
+        parts = []
+    if len(parts) == 1 and parts[0] >= 1:
+        return parts[0]
+    if len(parts) == 2 and 1 <= parts[0] <= parts[1]:
+        return (parts[0], parts[1]) if parts[0] < parts[1] else parts[0]
+    raise ConfigError("num_workers", value, accepted)
+
+
+@dataclass
+class ClusterConfig:
+    """Where and on how many workers the job runs."""
+
+    num_workers: Any = _opt(2, "training workers (one DDP replica each); MIN:MAX = elastic",
+                            metavar="N|MIN:MAX")
+    use_gpu: bool | None = _opt(None, "one GPU per worker (default: if the cluster has GPUs)",
+                                flags=("--use-gpu", "--no-gpu"))
+    cpus_per_worker: float = _opt(1.0, "logical CPUs reserved per worker")
+    address: str | None = _opt(None, "existing Ray cluster (auto or HOST:PORT); default "
+                               "$RAY_ADDRESS, else a new local cluster")
+    max_failures: int = _opt(3, "worker-group restarts from the latest checkpoint before failing")
+    wait_timeout: float = _opt(60.0, "seconds to wait for an autoscaling cluster to place the "
+                               "workers before failing")
+
+    def __post_init__(self) -> None:
+        self.num_workers = parse_num_workers(self.num_workers)
+        _check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
+        _check(self.max_failures >= 0, "max_failures", self.max_failures, "a whole number >= 0")
+        _check(self.wait_timeout > 0, "wait_timeout", self.wait_timeout, "seconds > 0")
+
+    @property
+    def max_workers(self) -> int:
+        nw = self.num_workers
+        return nw[1] if isinstance(nw, tuple) else nw
+
+    @property
+    def min_workers(self) -> int:
+        nw = self.num_workers
+        return nw[0] if isinstance(nw, tuple) else nw
+
+
+@dataclass
+class ModelConfig:
+    """What network is trained."""
+
+    model: str = _opt("seed-cnn", "seed-cnn (the seed's 2-conv CNN), resnet18 (CIFAR stem) or "
+                      "any torchvision classification model name")
+    pretrained: str | None = _opt(None, "local weights file (state_dict) to start from; the "
+                                  "classifier head is replaced to fit the classes")
+
+    def __post_init__(self) -> None:
+        from raytrain.models import check_model_name
+
+        check_model_name(self.model)
+        if self.pretrained is not None:
+            _check(os.path.isfile(self.pretrained), "pretrained", self.pretrained,
+                   "an existing weights file")
+
+
+@dataclass
+class DataConfig:
+    """What data is trained on."""
+
+    dataset: str = _opt("cifar10", "dataset", choices=DATASETS)
+    data_dir: str | None = _opt(None, "directory holding (or receiving) the dataset files; "
+                                "default ~/.cache/raytrain/data")
+    augment: bool | None = _opt(None, "random crop (pad 4) + horizontal flip where labels allow "
+                                "it (default: on for cifar, crop only for digits)")
+    synthetic_size: int = _opt(6400, "training images in --dataset synthetic")
+
+    def __post_init__(self) -> None:
+        _check(self.dataset in DATASETS, "dataset", self.dataset, "one of " + ", ".join(DATASETS))
+        _check(self.synthetic_size >= 1, "synthetic_size", self.synthetic_size, "a number >= 1")
+        if self.data_dir is not None:
+            _check(os.path.isdir(self.data_dir), "data_dir", self.data_dir, "an existing directory")
+
+
+@dataclass
+class OptimConfig:
+    """How the network is trained. Learning rate and batch size are global."""
+
+    epochs: int = _opt(20, "passes over the training set")
+    batch_size: int = _opt(128, "GLOBAL batch: each worker gets batch_size // num_workers")
+    lr: float = _opt(0.05, "peak learning rate, for the global batch")
+    momentum: float = _opt(0.9, "SGD momentum (AdamW beta1)")
+    weight_decay: float = _opt(5e-4, "L2 weight decay")
+    optimizer: str = _opt("sgd", "optimizer", choices=OPTIMIZERS)
+    lr_schedule: str = _opt("onecycle", "learning-rate schedule over all steps",
+                            choices=LR_SCHEDULES)
+    precision: str = _opt("auto", "autocast dtype; auto = bf16 on GPU, fp32 on CPU",
+                          choices=PRECISIONS)
+    nan_policy: str = _opt("stop", "on a NaN/inf loss: stop the run, or skip the step",
+                           choices=NAN_POLICIES)
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "epochs", self.epochs, "a whole number >= 1")
+        _check(self.batch_size >= 1, "batch_size", self.batch_size, "a whole number >= 1")
+        _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0")
+        _check(math.isfinite(self.momentum) and 0 <= self.momentum < 1, "momentum",
+               self.momentum, "a number in [0, 1)")
+        _check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+               self.weight_decay, "a finite number >= 0")
+        for key, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+                             ("precision", PRECISIONS), ("nan_policy", NAN_POLICIES)):
+            value = getattr(self, key)
+            _check(value in choices, key, value, "one of " + ", ".join(choices))
+
+
+@dataclass
+class RunSettings:
+    """Naming, storage, checkpoints and logging of one run."""
+
+    name: str | None = _opt(None, "run name; the run directory is STORAGE_PATH/NAME "
+                            "(default: run-YYYYmmdd-HHMMSS)")
+    storage_path: str = _opt("./runs", "where run directories and checkpoints live (shared "
+                             "storage for multi-node runs)")
+    seed: int = _opt(0, "seed for weights, shuffling and augmentation")
+    log_every: int = _opt(0, "print a loss line every N batches on rank 0 (0 = off)")
+    checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
+                                 "the end)")
+    keep_checkpoints: int = _opt(2, "checkpoints kept: the newest and the best by test_acc")
+
+    def __post_init__(self) -> None:
+        if self.name is None:
+            self.name = time.strftime("run-%Y%m%d-%H%M%S")
+        _check(bool(self.name) and "/" not in self.name and self.name not in (".", ".."),
+               "name", self.name, "a non-empty name without '/'")
+        _check(self.log_every >= 0, "log_every", self.log_every, "a whole number >= 0")
+        _check(self.checkpoint_every >= 1, "checkpoint_every", self.checkpoint_every,
+               "a whole number >= 1")
+        _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints,
+               "a whole number >= 1")
+        if "://" not in self.storage_path:
+            self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
+
+
+SECTIONS = {"cluster": ClusterConfig, "model": ModelConfig, "data": DataConfig,
+            "optim": OptimConfig, "run": RunSettings}
+
+
+def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, accepted)
+
+
+@dataclass
+class TrainConfig:
+    """The whole resolved config of one run; derived values are properties."""
+
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    def __post_init__(self) -> None:
+        _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",
+               self.optim.batch_size,
+               f"at least --num-workers ({self.cluster.max_workers}): the batch is global")
+
+    @property
+    def per_worker_batch(self) -> int:
+        return self.optim.batch_size // self.cluster.max_workers
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.run.storage_path, self.run.name)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The config as one flat dict (YAML and Ray's train_loop_config)."""
+        flat: dict[str, Any] = {}
+        for section in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, section)))
+        nw = flat["num_workers"]
+        flat["num_workers"] = f"{nw[0]}:{nw[1]}" if isinstance(nw, tuple) else nw
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any], sources: dict[str, str] | None = None
+                  ) -> "TrainConfig":
+        """Build and validate; ``sources`` maps a key to the YAML file it came from."""
+        unknown = set(flat) - set(FIELDS)
+        if unknown:
+            key = sorted(unknown)[0]
+            raise ConfigError(key, flat[key], "a known key (see --help)",
+                              source=(sources or {}).get(key, "config"))
+        try:
+            parts = {name: sec(**{k: v for k, v in flat.items() if FIELDS[k][0] == name})
+                     for name, sec in SECTIONS.items()}
+            return cls(**parts)
+        except ConfigError as err:
+            if sources and err.key in sources:
+                raise ConfigError(err.key, err.value, err.accepted, sources[err.key]) from None
+            raise
+        except TypeError as err:  # e.g. a YAML list where a number belongs
+            raise RaytrainError(f"config: {err}") from None
+
+
+# key -> (section name, dataclasses.Field)
+FIELDS: dict[str, tuple[str, dataclasses.Field]] = {
+    f.name: (name, f) for name, sec in SECTIONS.items() for f in dataclasses.fields(sec)
+}
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert a CLI/YAML value to the field's type, naming the key when it can't be."""
+    f = FIELDS[key][1]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if value is None or key == "num_workers":
+        return value
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+    except (TypeError, ValueError):
+        accepted = {"i": "a whole number", "f": "a number", "b": "true or false"}[kind[0]]
+        raise ConfigError(key, value, accepted) from None
+    return str(value) if kind.startswith("str") else value

@@ -1,0 +1,199 @@
+"""Datasets as uint8 tensors, per-epoch sharding, and batched on-device augmentation.
+
+No per-sample Python work and no DataLoader processes: a worker holds its images as one
+``uint8 [N, 3, 32, 32]`` tensor on its device and builds each batch with a few tensor ops.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raytrain.config import ConfigError, RaytrainError
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+DEFAULT_DATA_DIR = os.path.join(os.path.expanduser("~"), ".cache", "raytrain", "data")
+
+
+@dataclass
+class Dataset:
+    """A whole dataset in memory: images uint8 [N, C, H, W], labels int64 [N]."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    flip_ok: bool  # horizontal flips keep the label (true for photos, not for digits)
+
+    def to(self, device: torch.device) -> "Dataset":
+        move = {k: getattr(self, k).to(device, non_blocking=True)
+                for k in ("train_x", "train_y", "test_x", "test_y")}
+        return Dataset(**move, num_classes=self.num_classes, mean=self.mean, std=self.std,
+                       flip_ok=self.flip_ok)
+
+
+def load_dataset(name: str, data_dir: str | None = None, synthetic_size: int = 6400) -> Dataset:
+    """Load a dataset by name (see ``raytrain.config.DATASETS``)."""
+    if name in ("cifar10", "cifar100"):
+        return _load_cifar(name, data_dir or DEFAULT_DATA_DIR, explicit_dir=data_dir is not None)
+    if name == "digits":
+        return _load_digits()
+    if name == "synthetic":
+        return _synthetic(synthetic_size)
+    raise ConfigError("dataset", name, "one of cifar10, cifar100, digits, synthetic")
+
+
+def _load_digits() -> Dataset:
+    """scikit-learn's bundled 8x8 digits, upsampled to 3x32x32; 80/20 stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = torch.from_numpy(digits.images).float().unsqueeze(1) / 16.0  # [N,1,8,8] in [0,1]
+    x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
+    x = (x.clamp(0, 1) * 255).round().to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    y = torch.from_numpy(digits.target).long()
+    idx_train, idx_test = train_test_split(np.arange(len(y)), test_size=0.2,
+                                           stratify=digits.target, random_state=0)
+    tr, te = torch.from_numpy(idx_train), torch.from_numpy(idx_test)
+    mean = (float(x[tr].float().mean() / 255),) * 3
+    std = (float(x[tr].float().std() / 255),) * 3
+    return Dataset(x[tr], y[tr], x[te], y[te], 10, mean, std, flip_ok=False)
+
+
+def _synthetic(n_train: int) -> Dataset:
+    """CIFAR-shaped random images (fixed seed) for throughput benchmarks."""
+    g = torch.Generator().manual_seed(1234)
+    n_test = max(n_train // 5, 1)
+    x = torch.randint(0, 256, (n_train + n_test, 3, 32, 32), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 10, (n_train + n_test,), generator=g)
+    return Dataset(x[:n_train], y[:n_train], x[n_train:], y[n_train:], 10,
+                   CIFAR_MEAN, CIFAR_STD, flip_ok=True)
+
+
+def _cifar_class(name: str):
+    """torchvision's CIFAR class; file checksums are checked only when downloading."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    base = CIFAR10 if name == "cifar10" else CIFAR100
+
+    class Files(base):  # type: ignore[misc, valid-type]
+        train_list = [[f, None] for f, _ in base.train_list]
+        test_list = [[f, None] for f, _ in base.test_list]
+        meta = {**base.meta, "md5": None}
+
+    return base, Files
+
+
+def _load_cifar(name: str, root: str, explicit_dir: bool) -> Dataset:
+    base, files = _cifar_class(name)
+    folder = os.path.join(root, base.base_folder)
+    if not os.path.isdir(folder):
+        _download(base, root, name, explicit_dir)
+    try:
+        train, test = files(root, train=True), files(root, train=False)
+        train_x = torch.from_numpy(train.data).permute(0, 3, 1, 2).contiguous()
+        test_x = torch.from_numpy(test.data).permute(0, 3, 1, 2).contiguous()
+        train_y, test_y = torch.tensor(train.targets), torch.tensor(test.targets)
+        num_classes = len(train.classes)
+    except Exception as err:  # truncated pickle, wrong shapes, missing batch file, ...
+        raise ConfigError("data_dir", root, f"a readable {name} copy in {folder} "
+                          f"(torchvision's format); reading it failed: "
+                          f"{type(err).__name__}: {str(err)[:120]}") from None
+    if len(train_x) != len(train_y) or len(test_x) != len(test_y) or num_classes < 2:
+        raise ConfigError("data_dir", root, f"a consistent {name} copy in {folder}")
+    return Dataset(train_x, train_y, test_x, test_y, num_classes, CIFAR_MEAN, CIFAR_STD,
+                   flip_ok=True)
+
+
+def _download(base, root: str, name: str, explicit_dir: bool) -> None:
+    """Download once per node: a file lock keeps workers on one machine from racing."""
+    from filelock import FileLock
+
+    try:
+        os.makedirs(root, exist_ok=True)
+        with FileLock(os.path.join(root, f".{name}.lock")):
+            base(root, train=True, download=True)
+    except Exception as err:
+        hint = f"--data-dir {root} holds no {base.base_folder}/" if explicit_dir else \
+            f"no copy in {root}"
+        raise RaytrainError(f"--dataset {name}: {hint} and the download failed "
+                            f"({type(err).__name__}); put an extracted {base.base_folder}/ "
+                            f"under a directory and pass it as --data-dir") from None
+
+
+# ---------------------------------------------------------------------------- sharding
+
+
+def epoch_shard(n: int, rank: int, world: int, seed: int, epoch: int) -> torch.Tensor:
+    """This worker's sample indices for one epoch, like DistributedSampler.set_epoch(epoch).
+
+    One permutation of all ``n`` indices, seeded by (seed, epoch) so every worker draws the
+    same one, dealt out round-robin: the shards are disjoint, cover every index exactly once,
+    and differ in size by at most one.
+    """
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g)[rank::world]
+
+
+def eval_shard(n: int, rank: int, world: int) -> torch.Tensor:
+    """Contiguous split of the test set: every test sample is evaluated exactly once."""
+    return torch.tensor_split(torch.arange(n), world)[rank]
+
+
+def steps_per_epoch(n: int, world: int, per_worker_batch: int) -> int:
+    """Same on every worker (DDP needs equal step counts): the largest shard's batches."""
+    largest_shard = -(-n // world)
+    return max(1, -(-largest_shard // per_worker_batch))
+
+
+def batches(indices: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    """Split a shard into ``steps`` batches whose sizes differ by at most one."""
+    return torch.tensor_split(indices, steps)
+
+
+# ---------------------------------------------------------------------------- augmentation
+
+
+class Augment:
+    """Batched normalisation, random crop (zero padding) and horizontal flip on the device."""
+
+    def __init__(self, mean, std, device: torch.device, crop_pad: int = 0, flip: bool = False,
+                 channels_last: bool = False):
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+        self.inv_std = 1.0 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255)
+        self.pad, self.flip, self.channels_last = crop_pad, flip, channels_last
+
+    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+        """uint8 [B, C, H, W] -> normalised float; random crop/flip when a generator is given."""
+        x = (x.float() - self.mean) * self.inv_std
+        if generator is not None and self.pad:
+            x = random_crop(x, self.pad, generator)
+        if generator is not None and self.flip:
+            flip = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5
+            x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+
+def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+    """Zero-pad by ``pad`` and take a random HxW window per image, as one gather."""
+    b, _, h, w = x.shape
+    xp = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
+    rows = (dy + torch.arange(h, device=x.device)).view(b, 1, h, 1)
+    cols = (dx + torch.arange(w, device=x.device)).view(b, 1, 1, w)
+    batch = torch.arange(b, device=x.device).view(b, 1, 1, 1)
+    chans = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+    return xp[batch, chans, rows, cols]

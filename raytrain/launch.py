@@ -1,0 +1,269 @@
+"""Driver side: connect to Ray, check the cluster can run the job, run the TorchTrainer, and
+turn its result into run files and a summary.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytrain import checkpoint, report
+from raytrain.config import RaytrainError, TrainConfig
+
+# Settings that do not change what is trained: a run may be resumed with other values.
+NOT_TRAINING = {"address", "max_failures", "wait_timeout", "log_every", "name", "storage_path",
+                "keep_checkpoints", "use_gpu", "cpus_per_worker", "num_workers"}
+STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
+
+
+class TrainingError(RaytrainError):
+    """Training started but did not finish (exit code 1)."""
+
+
+@dataclass
+class Summary:
+    run_dir: str
+    rows: list[dict[str, Any]]
+    wall_s: float
+    first_step_s: float | None
+    model_path: str | None
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.rows[-1] if self.rows else {}
+
+
+# ---------------------------------------------------------------------------- cluster
+
+
+def connect(address: str | None) -> bool:
+    """Connect to ``address`` / $RAY_ADDRESS, or start a new local cluster.
+
+    Returns True when raytrain started the cluster (and so must stop it). Never a bare
+    ``ray.init()``: it would join a dead cluster recorded in /tmp/ray and wait forever.
+    """
+    import ray
+
+    os.environ.update(STATE_TRACKING)  # the dashboard's Train view needs it on every process
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    kwargs: dict[str, Any] = dict(logging_level="WARNING", log_to_driver=True,
+                                  runtime_env={"env_vars": dict(STATE_TRACKING)})
+    if address is None:
+        ray.init(address="local", include_dashboard=False, **kwargs)
+        return True
+    _check_reachable(address)
+    try:
+        ray.init(address=address, **kwargs)
+    except Exception as err:
+        raise RaytrainError(f"--address {address}: cannot connect to a Ray cluster there "
+                            f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+    return False
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, not minutes, when nothing listens at HOST:PORT."""
+    target = address.removeprefix("ray://")
+    if address == "auto" or ":" not in target:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            return
+    except (OSError, ValueError):
+        raise RaytrainError(f"--address {address}: nothing answers at {host}:{port}; start a "
+                            "cluster (ray start --head) or omit --address for a local one"
+                            ) from None
+
+
+def resolve_gpu(cfg: TrainConfig) -> bool:
+    import ray
+
+    if cfg.cluster.use_gpu is not None:
+        return cfg.cluster.use_gpu
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
+    """Fail fast when the cluster cannot place the workers (Ray would retry forever)."""
+    import ray
+
+    c = cfg.cluster
+    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
+    deadline = time.monotonic() + (c.wait_timeout if isinstance(c.num_workers, tuple) else 0)
+    while True:
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        placeable = sum(_fits(node, need) for node in nodes)
+        if placeable >= c.min_workers:
+            return
+        if time.monotonic() >= deadline:
+            break
+        print(f"waiting for resources: {placeable}/{c.min_workers} workers placeable "
+              f"(--wait-timeout {c.wait_timeout:g}s)", flush=True)
+        time.sleep(5)
+    total = ray.cluster_resources()
+    has = f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs in {len(nodes)} node(s)"
+    asked = " + ".join(f"{v:g} {k}" for k, v in need.items())
+    raise RaytrainError(
+        f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; the "
+        f"cluster has {has}, room for {placeable}. Lower --num-workers/--cpus-per-worker"
+        + (", drop --use-gpu" if use_gpu else "") + ", or add nodes")
+
+
+def _fits(node: dict[str, float], need: dict[str, float]) -> int:
+    """How many workers needing ``need`` fit on a node with ``node`` resources."""
+    return int(min(node.get(k, 0.0) // v for k, v in need.items()))
+
+
+# ---------------------------------------------------------------------------- run dir
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
+    """Create or re-open the run directory; returns the epoch a resumed run restarts after.
+
+    A run directory holding a different config is refused unless --resume or --fresh:
+    nothing already saved is touched before that choice is explicit.
+    """
+    run_dir = cfg.run_dir
+    saved_path = os.path.join(run_dir, "config.yaml")
+    try:
+        os.makedirs(cfg.run.storage_path, exist_ok=True)
+        probe = os.path.join(cfg.run.storage_path, f".raytrain-write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as err:
+        raise RaytrainError(f"--storage-path {cfg.run.storage_path}: not writable "
+                            f"({err.strerror})") from None
+    if fresh and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+    done = 0
+    if os.path.exists(saved_path):
+        with open(saved_path) as f:
+            saved = yaml.safe_load(f) or {}
+        changed = sorted(k for k, v in cfg.to_flat().items()
+                         if k not in NOT_TRAINING and saved.get(k) != v)
+        if changed and not resume:
+            diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
+            raise RaytrainError(f"--name {cfg.run.name}: {run_dir} holds a run with another "
+                                f"config ({diff}); pass --resume to continue it with these "
+                                "settings, --fresh to delete it and start over, or another --name")
+        done = latest_checkpoint_epoch(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    report._atomic_write(saved_path, yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    return done
+
+
+def latest_checkpoint_epoch(run_dir: str) -> int:
+    epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
+              if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()]
+    return max(epochs, default=0)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def build_trainer(cfg: TrainConfig, use_gpu: bool, callbacks: list | None = None):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain.loop import train_loop_per_worker
+
+    c = cfg.cluster
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=cfg.to_flat(),
+        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": c.cpus_per_worker}
+                                     | ({"GPU": 1} if use_gpu else {})),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=cfg.run.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints,
+                                               checkpoint_score_attribute="test_acc",
+                                               checkpoint_score_order="max"),
+            # A finite controller limit: no failure is retried forever.
+            failure_config=FailureConfig(max_failures=c.max_failures,
+                                         controller_failure_limit=3),
+            callbacks=callbacks if callbacks is not None else [RunFiles(cfg.run_dir)],
+            worker_runtime_env={"env_vars": dict(STATE_TRACKING)}))
+
+
+def _run_files_base():
+    from ray.train.v2.api.callback import UserCallback
+
+    return UserCallback
+
+
+class RunFiles(_run_files_base()):
+    """Train-controller callback (runs on the driver's node): writes metrics.jsonl/.csv and
+    events.jsonl in the run directory after every report."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        report.record_epoch(self.run_dir, metrics[0])
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        rank, err = sorted(worker_exceptions.items())[0]
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        report.append_event(self.run_dir, {"event": "worker_failure", "rank": rank,
+                                           "error": first[:200], "time": time.time()})
+
+
+def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
+        ) -> Summary:
+    """Run one training job on the connected cluster and write the run files."""
+    use_gpu = resolve_gpu(cfg)
+    preflight(cfg, use_gpu)
+    done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
+    model_path = os.path.join(cfg.run_dir, "model.pt")
+    if done >= cfg.optim.epochs and os.path.exists(model_path):
+        print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
+              "(--fresh starts over)", flush=True)
+        return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
+    if done:
+        print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
+              f"({cfg.optim.epochs - done} epochs to go)", flush=True)
+    trainer = build_trainer(cfg, use_gpu)
+    with report.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
+        try:
+            result = trainer.fit()
+        except Exception as err:  # Ray raises TrainingFailedError past the failure budget
+            raise TrainingError(f"training failed: {_last_line(err)}") from None
+    if result.error is not None:
+        raise TrainingError(f"training failed: {_last_line(result.error)}")
+    rows = report.read_metrics(cfg.run_dir)
+    if rows and "error" in rows[-1]:
+        raise TrainingError(rows[-1]["error"])
+    model_path = export_model(cfg.run_dir, result.checkpoint)
+    report.plot_curves(cfg.run_dir, rows)
+    first = [r["first_step_at"] for r in rows if r.get("first_step_at")]
+    return Summary(cfg.run_dir, rows, time.time() - started_at,
+                   (first[-1] - started_at) if first and first[-1] > started_at else None,
+                   model_path)
+
+
+def export_model(run_dir: str, ckpt) -> str | None:
+    """model.pt: a plain state_dict of the unwrapped model, loadable without raytrain."""
+    if ckpt is None:
+        return None
+    import torch
+
+    with ckpt.as_directory() as directory:
+        weights = checkpoint.model_weights(directory)
+    path = os.path.join(run_dir, "model.pt")
+    torch.save(weights, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def _last_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else type(err).__name__

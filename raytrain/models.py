@@ -1,0 +1,139 @@
+"""Model registry. Models know nothing about distribution: no rank, no DDP here.
+
+``resnet18`` is torchvision's ResNet-18 with a CIFAR stem: conv1 at stride 1 and no max-pool,
+so 32x32 inputs keep their resolution. conv1 keeps torchvision's 7x7 shape, so the state_dict
+is key-for-key and shape-for-shape torchvision's: ``torchvision.models.resnet18(num_classes=10)
+.load_state_dict(torch.load("model.pt"))`` accepts it, and ImageNet weights load into it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from raytrain.config import ConfigError
+
+CUSTOM = ("small-cnn", "seed-cnn", "resnet18")
+
+
+class SeedCNN(nn.Module):
+    """The seed DDP script's network: two 5x5 convs, three linear layers (LeNet-5 shape)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class SmallCNN(nn.Module):
+    """A fast BatchNorm CNN for 32x32 inputs (in the spirit of airbench's net, narrower).
+
+    Three conv-pool-conv blocks (widths w, 2w, 4w), global max-pool, linear head;
+    about 22M multiply-adds per image at w=32.
+    """
+
+    def __init__(self, num_classes: int = 10, width: int = 32):
+        super().__init__()
+
+        def block(c_in: int, c_out: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.MaxPool2d(2),
+                nn.BatchNorm2d(c_out), nn.GELU(),
+                nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c_out), nn.GELU())
+
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.GELU())
+        self.blocks = nn.Sequential(block(width, 2 * width), block(2 * width, 4 * width),
+                                    block(4 * width, 4 * width))
+        self.head = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.stem(x))
+        return self.head(torch.amax(x, dim=(2, 3)))
+
+
+def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1.stride = (1, 1)
+    model.maxpool = nn.Identity()
+    return model
+
+
+@functools.lru_cache(maxsize=1)
+def torchvision_names() -> tuple[str, ...]:
+    import torchvision
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_model_name(name: str) -> None:
+    if name not in CUSTOM and name not in torchvision_names():
+        shown = ", ".join(CUSTOM + tuple(n for n in torchvision_names() if n.startswith("res")))
+        raise ConfigError("model", name, f"one of {shown}, ... (any torchvision "
+                          "classification model; see torchvision.models.list_models())")
+
+
+def build_model(name: str, num_classes: int, pretrained: str | None = None) -> nn.Module:
+    """A fresh model for ``num_classes``; with ``pretrained``, its weights minus the head."""
+    check_model_name(name)
+    if name == "small-cnn":
+        model = SmallCNN(num_classes)
+    elif name == "seed-cnn":
+        model = SeedCNN(num_classes)
+    elif name == "resnet18":
+        model = resnet18_cifar(num_classes)
+    else:
+        import torchvision
+
+        model = torchvision.models.get_model(name, num_classes=num_classes)
+    if pretrained:
+        load_pretrained(model, pretrained)
+    return model
+
+
+def head_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of the classifier head: the last Linear layer."""
+    last = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    return {f"{last}.weight", f"{last}.bias"}
+
+
+def load_pretrained(model: nn.Module, path: str) -> None:
+    """Load a local weights file into ``model``, keeping the model's own (fresh) head."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError("pretrained", path, "a torch weights file (state_dict) loadable "
+                          f"with weights_only=True; loading failed: {type(err).__name__}"
+                          ) from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]  # a raytrain training checkpoint
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConfigError("pretrained", path, "a state_dict (a dict of tensors)")
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    own = model.state_dict()
+    head = head_keys(model)
+    mismatched = [k for k, v in state.items()
+                  if k in own and k not in head and own[k].shape != v.shape]
+    missing = [k for k in own if k not in state and k not in head
+               and not k.endswith("num_batches_tracked")]
+    if mismatched or missing or not (set(state) & set(own)):
+        bad = (mismatched or missing or ["<no matching keys>"])[0]
+        raise ConfigError("pretrained", path, f"weights that fit --model (first mismatch: {bad})")
+    kept = {k: v for k, v in state.items() if k in own and not
+            (k in head and own[k].shape != v.shape)}
+    model.load_state_dict(kept, strict=False)
