@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "digits": 10, "synthetic": 10}
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -167,6 +168,7 @@ class RunSettings:
     checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
                                  "the end)")
     keep_checkpoints: int = _opt(2, "checkpoints kept: the newest and the best by test_acc")
+    verbose: bool = _opt(False, "show Ray Train's own INFO logs")
 
     def __post_init__(self) -> None:
         if self.name is None:
@@ -205,6 +207,10 @@ class TrainConfig:
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",
                self.optim.batch_size,
                f"at least --num-workers ({self.cluster.max_workers}): the batch is global")
+        if self.model.pretrained:  # load it once here so a bad file fails before Ray starts
+            from raytrain.models import build_model
+
+            build_model(self.model.model, NUM_CLASSES[self.data.dataset], self.model.pretrained)
 
     @property
     def per_worker_batch(self) -> int:

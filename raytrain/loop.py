@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -52,6 +53,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    cfg = TrainConfig.from_flat(config)
+    if not cfg.run.verbose:  # Ray Train logs every report at INFO on a logger named by path
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     ctx = ray.train.get_context()
     worker = Worker(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(),
                     ray.train.torch.get_device())
@@ -59,7 +65,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if (ckpt := ray.train.get_checkpoint()) is not None:
         with ckpt.as_directory() as directory:
             resume = checkpoint.load_state(directory)
-    run_worker(TrainConfig.from_flat(config), worker, _ray_report, resume)
+    run_worker(cfg, worker, _ray_report, resume)
 
 
 def _ray_report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:

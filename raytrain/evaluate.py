@@ -1,0 +1,84 @@
+"""``python -m raytrain.evaluate PATH --dataset digits``: test loss/accuracy of saved weights.
+
+PATH is a run directory (uses its model.pt), a checkpoint directory, a checkpoint state.pt or
+an exported model.pt. Files are read with ``torch.load(weights_only=True)``: a file that holds
+anything but tensors and plain containers is refused and none of its code runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from raytrain.config import DATASETS, ConfigError, RaytrainError
+
+
+def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None
+                  ) -> dict[str, float]:
+    from raytrain import checkpoint
+    from raytrain.data import Augment, load_dataset
+    from raytrain.loop import Worker, evaluate
+    from raytrain.models import build_model
+
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "model.pt")):
+        path = os.path.join(path, "model.pt")
+    weights = checkpoint.model_weights(path)
+    data = load_dataset(dataset, data_dir)
+    model = build_model(model_name, data.num_classes)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()
+        raise RaytrainError(f"{path}: weights do not fit --model {model_name} on {dataset} "
+                            f"({first[1].strip() if len(first) > 1 else first[0]})") from None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    loss, correct, n = evaluate(model, data.to(device), Augment(data.mean, data.std, device),
+                                None, Worker(0, 0, 1, device))
+    return {"test_loss": loss / n, "test_acc": correct / n, "test_count": int(n)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="raytrain-evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("path", help="run dir, checkpoint dir, state.pt or model.pt")
+    p.add_argument("--dataset", default=None, help=f"one of {', '.join(DATASETS)} "
+                   "(default: the run's, from its config.yaml)")
+    p.add_argument("--model", default=None, help="model name (default: the run's)")
+    p.add_argument("--data-dir", default=None)
+    args = p.parse_args(argv)
+    try:
+        saved = _run_config(args.path)
+        dataset = args.dataset or saved.get("dataset")
+        model = args.model or saved.get("model", "seed-cnn")
+        if dataset not in DATASETS:
+            raise ConfigError("dataset", dataset, "one of " + ", ".join(DATASETS))
+        result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"))
+    except RaytrainError as err:
+        print(f"raytrain: error: {err}", file=sys.stderr)
+        return 2
+    print(f"test_loss {result['test_loss']:.4f}  test_acc {result['test_acc']:.4f}  "
+          f"({result['test_count']} images, {dataset}, {model})")
+    return 0
+
+
+def _run_config(path: str) -> dict:
+    """The config.yaml of the run that ``path`` belongs to, if there is one."""
+    import yaml
+
+    for d in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        candidate = os.path.join(d, "config.yaml")
+        if d and os.path.isfile(candidate):
+            with open(candidate) as f:
+                return yaml.safe_load(f) or {}
+    return {}
+
+
+def main_cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_cli()

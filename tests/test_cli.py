@@ -1,0 +1,123 @@
+"""CLI: YAML + flag precedence, --dry-run, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from raytrain import fit
+from raytrain.models import SeedCNN
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("lr: 0.2\nepochs: 3\noptim:\n  batch_size: 32\ndataset: digits\n")
+    cfg = fit.resolve(fit.build_parser().parse_args(["--config", str(cfg_file), "--lr", "0.01"]))
+    assert cfg.optim.lr == 0.01          # flag beats YAML
+    assert cfg.optim.epochs == 3         # YAML beats default
+    assert cfg.optim.batch_size == 32    # sectioned YAML works too
+    assert cfg.optim.momentum == 0.9     # default
+    assert cfg.data.dataset == "digits"
+
+
+def test_dry_run_prints_resolved_config_and_per_worker_batch(tmp_path, capsys):
+    rc = fit.main(["--dry-run", "--num-workers", "4", "--batch-size", "256", "--dataset",
+                   "digits", "--storage-path", str(tmp_path), "--name", "x"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "256 global = 64 per worker x 4 workers" in out
+    assert "lr: 0.05" in out and "num_workers: 4" in out
+    assert not os.path.exists(tmp_path / "x")  # started nothing, wrote nothing
+
+
+def test_elastic_workers_parse():
+    cfg = fit.resolve(fit.build_parser().parse_args(["--num-workers", "2:4",
+                                                     "--batch-size", "64"]))
+    assert cfg.cluster.num_workers == (2, 4) and cfg.per_worker_batch == 16
+
+
+def _bad_inputs(tmp):
+    bad_yaml = tmp / "bad.yaml"
+    bad_yaml.write_text("lr: [1, 2\n")
+    unknown = tmp / "unknown.yaml"
+    unknown.write_text("learning_rate: 0.1\n")
+    bad_lr_yaml = tmp / "badlr.yaml"
+    bad_lr_yaml.write_text("lr: -1\n")
+    not_weights = tmp / "notweights.pt"
+    not_weights.write_text("hello")
+    wrong_shape = tmp / "wrong.pt"
+    torch.save({"conv1.weight": torch.zeros(1)}, wrong_shape)
+    readonly = tmp / "ro"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    return [
+        (["--num-workers", "0"], "--num-workers"),
+        (["--num-workers", "-2"], "--num-workers"),
+        (["--num-workers", "two"], "--num-workers"),
+        (["--num-workers", "4:2"], "MIN:MAX"),
+        (["--epochs", "0"], "--epochs"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--batch-size", "2", "--num-workers", "4"], "--batch-size"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--model", "nosuchnet"], "resnet18"),
+        (["--dataset", "mnist"], "cifar10, cifar100, digits, synthetic"),
+        (["--optimizer", "rmsprop"], "sgd, adamw"),
+        (["--lr-schedule", "step"], "constant, cosine, onecycle"),
+        (["--pretrained", str(tmp / "missing.pt")], "--pretrained"),
+        (["--pretrained", str(not_weights), "--dataset", "digits"], "--pretrained"),
+        (["--pretrained", str(wrong_shape), "--dataset", "digits"], "--pretrained"),
+        (["--data-dir", str(tmp / "nodir")], "--data-dir"),
+        (["--config", str(tmp / "missing.yaml")], "--config"),
+        (["--config", str(bad_yaml)], "--config"),
+        (["--config", str(unknown)], "learning_rate (in unknown.yaml)"),
+        (["--config", str(bad_lr_yaml)], "lr (in badlr.yaml)"),
+        (["--epochs", "2.5"], "--epochs"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ] + ([] if os.geteuid() == 0 else [
+        (["--storage-path", str(readonly / "runs"), "--dataset", "digits"], "--storage-path")])
+
+
+def test_every_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    for argv, expected in _bad_inputs(tmp_path):
+        with pytest.raises(SystemExit) if argv == ["--no-such-flag"] else _nullcontext():
+            rc = fit.main(argv + ["--dry-run", "--storage-path", str(tmp_path / "runs")]
+                          if "--storage-path" not in argv else argv + ["--dry-run"])
+            assert rc == 2, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, (argv, err)
+        assert lines[0].startswith("raytrain: error:") and expected in lines[0], (argv, err)
+        assert "Traceback" not in err
+    assert not os.path.exists(tmp_path / "runs")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_cli_process_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "raytrain.fit", "--lr", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("raytrain: error: --lr: got -1.0; expected a finite "
+                                   "number > 0")
+
+
+def test_pretrained_weights_load_with_a_new_head(tmp_path):
+    donor = SeedCNN(num_classes=100)
+    torch.save(donor.state_dict(), tmp_path / "w.pt")
+    from raytrain.models import build_model
+
+    model = build_model("seed-cnn", 10, str(tmp_path / "w.pt"))
+    assert torch.equal(model.conv1.weight, donor.conv1.weight)
+    assert model.fc3.weight.shape == (10, 84)
