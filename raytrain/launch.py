@@ -59,8 +59,10 @@ def connect(address: str | None, verbose: bool = False) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
-    kwargs: dict[str, Any] = dict(logging_level="WARNING", log_to_driver=True,
-                                  configure_logging=True,
+    # Ray forwards every worker's and controller's output to the driver: tracebacks of
+    # expected failures, deprecation notes. raytrain prints what matters itself.
+    kwargs: dict[str, Any] = dict(logging_level="INFO" if verbose else "ERROR",
+                                  log_to_driver=verbose,
                                   runtime_env={"env_vars": dict(STATE_TRACKING)})
     if address is None:
         if not verbose:  # processes of a cluster we start inherit this: no deprecation noise
@@ -222,9 +224,9 @@ class RunFiles(_run_files_base()):
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         rank, err = sorted(worker_exceptions.items())[0]
-        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         report.append_event(self.run_dir, {"event": "worker_failure", "rank": rank,
-                                           "error": first[:200], "time": time.time()})
+                                           "error": f"rank {rank}: {_short(err)}",
+                                           "time": time.time()})
 
 
 def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
@@ -246,9 +248,9 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         try:
             result = trainer.fit()
         except Exception as err:  # Ray raises TrainingFailedError past the failure budget
-            raise TrainingError(f"training failed: {_last_line(err)}") from None
+            raise TrainingError(_failed(cfg, err)) from None
     if result.error is not None:
-        raise TrainingError(f"training failed: {_last_line(result.error)}")
+        raise TrainingError(_failed(cfg, result.error))
     rows = report.read_metrics(cfg.run_dir)
     if rows and "error" in rows[-1]:
         raise TrainingError(rows[-1]["error"])
@@ -274,6 +276,20 @@ def export_model(run_dir: str, ckpt) -> str | None:
     return path
 
 
-def _last_line(err: BaseException) -> str:
+def _failed(cfg: TrainConfig, err: BaseException) -> str:
+    restarts = sum(1 for e in report.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
+                   if e["event"] == "worker_failure")
+    return (f"training failed ({_short(err)}; {restarts} worker failure(s), --max-failures "
+            f"{cfg.cluster.max_failures}); rerun the same command to resume from the latest "
+            "checkpoint")
+
+
+def _short(err: BaseException) -> str:
+    """The gist of a (Ray) error in one short line: its last line, first sentence."""
     lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else type(err).__name__
+    if not lines:
+        return type(err).__name__
+    last = lines[-1]
+    if "worker process has died" in last or "actor died" in last.lower():
+        return "a worker process died"
+    return last.split(". ")[0][:200]

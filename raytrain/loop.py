@@ -187,8 +187,7 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
                              torch.tensor(len(y), dtype=torch.float64, device=device)])
         first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
         if worker.master and cfg.run.log_every and (i + 1) % cfg.run.log_every == 0:
-            print(f"[epoch {epoch}, batch {i + 1:5d}/{steps}] loss: {loss.item():.3f}",
-                  flush=True)
+            log_line(cfg, f"[epoch {epoch}, batch {i + 1:5d}/{steps}] loss: {loss.item():.3f}")
         if i == 0:
             _sync(device)
             first_step_at = time.time()
@@ -268,6 +267,17 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: list[float], optimize
                             f"{train['first_bad_step']} of {train['steps']}; lower --lr "
                             "or use --nan-policy skip")
     return metrics
+
+
+def log_line(cfg: TrainConfig, text: str) -> None:
+    """A rank-0 progress line: to the run's events.jsonl, which the driver prints (Ray's own
+    worker output is not forwarded unless --verbose), else to stdout."""
+    if "://" in cfg.run.storage_path or not os.path.isdir(cfg.run_dir):
+        print(text, flush=True)
+        return
+    from raytrain.report import append_event
+
+    append_event(cfg.run_dir, {"event": "log", "text": text})
 
 
 def all_reduce(tensor: torch.Tensor, op=None) -> None:

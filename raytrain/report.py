@@ -92,8 +92,10 @@ class EpochPrinter:
         except (OSError, ValueError):  # mid-write; the next poll reads it
             return
         for event in events[self.events:]:
-            print(f"worker failure ({event['error']}); Ray Train restarts the workers from "
-                  "the latest checkpoint", file=self.out, flush=True)
+            if event["event"] == "log":
+                print(event["text"], file=self.out, flush=True)
+            else:
+                print(f"worker failure: {event['error']}", file=self.out, flush=True)
         self.events = len(events)
         for m in rows:
             if _row_key(m) in self.seen:

@@ -1,0 +1,174 @@
+"""Checkpoints, resume and failures, with real process kills on a real local Ray cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from raytrain import fit
+from raytrain.config import TrainConfig
+from raytrain.loop import Worker, run_worker
+
+# ~1.5 s epochs on this 2-core machine: long enough to kill a process mid-run.
+SLOW = ["--dataset", "synthetic", "--synthetic-size", "16000", "--batch-size", "128",
+        "--num-workers", "2", "--seed", "3"]
+
+
+def _metrics(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _driver(address, args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--address", address, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _wait_for_epoch(run_dir, epoch, proc, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r["epoch"] >= epoch for r in _metrics(run_dir)):
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.1)
+    raise AssertionError(f"epoch {epoch} never reported")
+
+
+def _train_workers(address):
+    """This cluster's live Ray Train worker processes, found through Ray's state API."""
+    from ray.util.state import list_actors
+
+    actors = list_actors(address=address, filters=[("class_name", "=", "RayTrainWorker"),
+                                  ("state", "=", "ALIVE")])
+    return [psutil.Process(a.pid) for a in actors]
+
+
+@pytest.fixture(scope="module")
+def address(ray_cluster):
+    return ray_cluster.address_info["gcs_address"]
+
+
+def test_killed_worker_is_replaced_and_run_resumes_from_checkpoint(address, tmp_path):
+    run_dir = tmp_path / "ft"
+    proc = _driver(address, [*SLOW, "--epochs", "5", "--max-failures", "2",
+                             "--storage-path", str(tmp_path), "--name", "ft"])
+    _wait_for_epoch(run_dir, 2, proc)
+    victims = _train_workers(address)
+    assert len(victims) == 2
+    victims[-1].send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert [r["epoch"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
+    resumed = [r["resumed_from"] for r in _metrics(run_dir) if r.get("resumed_from")]
+    assert resumed and resumed[0] >= 2, out  # not restarted from scratch
+    assert "worker failure" in out and f"resumed from the epoch {resumed[0]} checkpoint" in out
+
+
+def test_more_failures_than_allowed_fail_clearly(address, tmp_path):
+    proc = _driver(address, [*SLOW, "--epochs", "6", "--max-failures", "0",
+                             "--storage-path", str(tmp_path), "--name", "ft0"])
+    _wait_for_epoch(tmp_path / "ft0", 1, proc)
+    _train_workers(address)[0].send_signal(signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "raytrain: error: training failed" in out
+
+
+def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path):
+    args = [*SLOW, "--epochs", "4", "--storage-path", str(tmp_path)]
+    straight = _driver(address, [*args, "--name", "straight"])
+    out, _ = straight.communicate(timeout=300)
+    assert straight.returncode == 0, out
+
+    first = _driver(address, [*args, "--name", "again"])
+    _wait_for_epoch(tmp_path / "again", 2, first)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    time.sleep(2)  # let Ray reap the dead driver's actors
+    second = _driver(address, [*args, "--name", "again"])
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode == 0, out
+    assert "resuming run again from its epoch" in out
+    assert [r["epoch"] for r in _metrics(tmp_path / "again")] == [1, 2, 3, 4]
+    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_in_one_process_is_bit_identical():
+    """The per-worker loop alone (no Ray): 2 epochs + resume == 4 straight epochs."""
+    cfg = TrainConfig.from_flat({"dataset": "digits", "num_workers": 1, "epochs": 4,
+                                 "batch_size": 64, "seed": 5})
+    worker = Worker(0, 0, 1, torch.device("cpu"))
+    states, resumed = {}, {}  # saved as the Ray reporter does: serialized at report time
+    run_worker(cfg, worker, lambda m, s: states.__setitem__(m["epoch"], _roundtrip(s)))
+    state2 = torch.load(states[2], weights_only=True)
+    run_worker(cfg, worker, lambda m, s: resumed.__setitem__(m["epoch"], _roundtrip(s)),
+               resume=state2)
+    assert sorted(resumed) == [3, 4]
+    a = torch.load(states[4], weights_only=True)["model"]
+    b = torch.load(resumed[4], weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _roundtrip(state):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_reused_name_with_other_config_is_refused_then_fresh_restarts(ray_cluster, tmp_path,
+                                                                      capsys):
+    args = ["--dataset", "digits", "--epochs", "2", "--storage-path", str(tmp_path),
+            "--name", "same"]
+    assert fit.main(args) == 0
+    run_dir = tmp_path / "same"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert fit.main([*args, "--lr", "0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run with another config (lr: 0.05 -> 0.01)" in err and "--resume" in err
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert before == after  # nothing saved was touched
+    assert fit.main(args) == 0  # same config: already finished, nothing re-run
+    assert "already finished all 2 epochs" in capsys.readouterr().out
+    assert fit.main([*args, "--lr", "0.01", "--fresh"]) == 0
+    rows = _metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[0].get("resumed_from") == 0
+
+
+def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):
+    from raytrain import evaluate
+
+    good = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    (tmp_path / "trunc.pt").write_bytes(good.read_bytes()[:200])
+    assert evaluate.main([str(tmp_path / "trunc.pt"), "--dataset", "digits"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytrain: error: ") and "trunc.pt" in err and "\n" not in err
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"w": Evil()}, tmp_path / "evil.pt")
+    assert evaluate.main([str(tmp_path / "evil.pt"), "--dataset", "digits"]) == 2
+    err = capsys.readouterr().err
+    assert "evil.pt" in err and "refused" in err
+    assert not marker.exists()
