@@ -3,7 +3,7 @@
     python -m raytrain.fit --num-workers 2 --dataset digits
     python -m raytrain.fit --num-workers 8 --use-gpu --model resnet18 --dataset cifar10
 
-Exit codes: 0 done, 1 training failed, 2 bad input (one line on stderr, no traceback).
+Exit codes: 0 done, 1 training failed, 2 bad input, 130 interrupted (one line on stderr, no traceback).
 """
 
 from __future__ import annotations
@@ -145,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     except RaytrainError as err:
         if debug:
             raise
-        from raytrain.launch import TrainingError
+        from raytrain.launch import Interrupted, TrainingError
 
         print(f"raytrain: error: {err}", file=sys.stderr, flush=True)
+        if isinstance(err, Interrupted):
+            return 130
         return 1 if isinstance(err, TrainingError) else 2
     except KeyboardInterrupt:
         print("raytrain: interrupted; workers stopped", file=sys.stderr)

@@ -29,6 +29,10 @@ class TrainingError(RaytrainError):
     """Training started but did not finish (exit code 1)."""
 
 
+class Interrupted(TrainingError):
+    """Ctrl-C stopped the run (exit code 130); the checkpoints so far are kept."""
+
+
 @dataclass
 class Summary:
     run_dir: str
@@ -247,13 +251,18 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     with report.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
         try:
             result = trainer.fit()
+        except (KeyboardInterrupt, SystemExit):  # Ray's Ctrl-C handler aborted the run
+            result = None
         except Exception as err:  # Ray raises TrainingFailedError past the failure budget
             raise TrainingError(_failed(cfg, err)) from None
-    if result.error is not None:
+    if result is not None and result.error is not None:
         raise TrainingError(_failed(cfg, result.error))
     rows = report.read_metrics(cfg.run_dir)
     if rows and "error" in rows[-1]:
         raise TrainingError(rows[-1]["error"])
+    if not rows or rows[-1]["epoch"] < cfg.optim.epochs:  # Ctrl-C: Ray aborted the run
+        raise Interrupted(f"interrupted after epoch {rows[-1]['epoch'] if rows else 0} of "
+                            f"{cfg.optim.epochs}; rerun the same command to resume")
     model_path = export_model(cfg.run_dir, result.checkpoint)
     report.plot_curves(cfg.run_dir, rows)
     first = [r["first_step_at"] for r in rows if r.get("first_step_at")]
