@@ -68,6 +68,10 @@ class ClusterConfig:
     address: str | None = _opt(None, "existing Ray cluster (auto or HOST:PORT); default "
                                "$RAY_ADDRESS, else a new local cluster")
     max_failures: int = _opt(3, "worker-group restarts from the latest checkpoint before failing")
+    keep_cluster: bool = _opt(False, "with no --address: start the local cluster with `ray "
+                              "start --head` so it and its dashboard outlive the run")
+    shared_storage: bool = _opt(False, "declare --storage-path shared by all nodes (an NFS "
+                                "mount), allowing a local path for a multi-node run")
     wait_timeout: float = _opt(60.0, "seconds to wait for an autoscaling cluster to place the "
                                "workers before failing")
 
@@ -92,10 +96,12 @@ class ClusterConfig:
 class ModelConfig:
     """What network is trained."""
 
-    model: str = _opt("seed-cnn", "seed-cnn (the seed's 2-conv CNN), resnet18 (CIFAR stem) or "
-                      "any torchvision classification model name")
+    model: str = _opt("seed-cnn", "seed-cnn (the seed's 2-conv CNN), small-cnn (a fast "
+                      "BatchNorm CNN), resnet18 (CIFAR stem) or any torchvision classification "
+                      "model name")
     pretrained: str | None = _opt(None, "local weights file (state_dict) to start from; the "
                                   "classifier head is replaced to fit the classes")
+    compile: bool = _opt(False, "torch.compile the model (worth it on GPUs for long runs)")
 
     def __post_init__(self) -> None:
         from raytrain.models import check_model_name
@@ -114,7 +120,7 @@ class DataConfig:
     data_dir: str | None = _opt(None, "directory holding (or receiving) the dataset files; "
                                 "default ~/.cache/raytrain/data")
     augment: bool | None = _opt(None, "random crop (pad 4) + horizontal flip where labels allow "
-                                "it (default: on for cifar, crop only for digits)")
+                                "it (default: on for cifar, crop only for digits, off for synthetic)")
     synthetic_size: int = _opt(6400, "training images in --dataset synthetic")
 
     def __post_init__(self) -> None:

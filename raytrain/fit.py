@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from raytrain import launch
 
-        started_cluster = launch.connect(cfg.cluster.address, cfg.run.verbose)
+        started_cluster = launch.connect(cfg.cluster.address, cfg.run.verbose,
+                                          cfg.cluster.keep_cluster)
         try:
             summary = launch.fit(cfg, STARTED_AT, resume=getattr(args, "resume", False),
                                  fresh=getattr(args, "fresh", False))

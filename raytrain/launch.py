@@ -17,8 +17,9 @@ from raytrain import checkpoint, report
 from raytrain.config import RaytrainError, TrainConfig
 
 # Settings that do not change what is trained: a run may be resumed with other values.
-NOT_TRAINING = {"address", "verbose", "max_failures", "wait_timeout", "log_every", "name", "storage_path",
-                "keep_checkpoints", "use_gpu", "cpus_per_worker", "num_workers"}
+NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
+                "wait_timeout", "log_every", "name", "storage_path", "keep_checkpoints",
+                "use_gpu", "cpus_per_worker", "num_workers"}
 STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 # The Train controller polls workers every 2 s by default and a worker's report waits for
 # that poll: with short epochs this cost ~2 s per epoch (20 digits epochs: 65 s -> see README).
@@ -49,7 +50,7 @@ class Summary:
 # ---------------------------------------------------------------------------- cluster
 
 
-def connect(address: str | None, verbose: bool = False) -> bool:
+def connect(address: str | None, verbose: bool = False, keep_cluster: bool = False) -> bool:
     """Connect to ``address`` / $RAY_ADDRESS, or start a new local cluster.
 
     Returns True when raytrain started the cluster (and so must stop it). Never a bare
@@ -63,6 +64,7 @@ def connect(address: str | None, verbose: bool = False) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
+    kept = None
     # Ray forwards every worker's and controller's output to the driver: tracebacks of
     # expected failures, deprecation notes. raytrain prints what matters itself.
     kwargs: dict[str, Any] = dict(logging_level="INFO" if verbose else "ERROR",
@@ -71,15 +73,48 @@ def connect(address: str | None, verbose: bool = False) -> bool:
     if address is None:
         if not verbose:  # processes of a cluster we start inherit this: no deprecation noise
             os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-        ray.init(address="local", **kwargs)
-        return True
+        if keep_cluster:
+            address = kept = start_head()
+        else:
+            ctx = ray.init(address="local", **kwargs)
+            print_dashboard(ctx.dashboard_url, kept=False)
+            return True
     _check_reachable(address)
     try:
-        ray.init(address=address, **kwargs)
+        ctx = ray.init(address=address, **kwargs)
     except Exception as err:
         raise RaytrainError(f"--address {address}: cannot connect to a Ray cluster there "
                             f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+    if kept:
+        print_dashboard(ctx.dashboard_url, kept=True)
     return False
+
+
+def start_head() -> str:
+    """``ray start --head`` for --keep-cluster: the cluster and its dashboard outlive the run."""
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
+           f"--port={port}", "--dashboard-host=127.0.0.1", "--disable-usage-stats"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RaytrainError(f"--keep-cluster: ray start --head failed: "
+                            f"{(proc.stderr or proc.stdout).strip().splitlines()[-1][:200]}")
+    return f"127.0.0.1:{port}"
+
+
+def print_dashboard(url: str | None, kept: bool) -> None:
+    if not url:
+        return
+    token = os.path.expanduser("~/.ray/auth_token")
+    auth = f"; sign in with the token in {token}" if os.path.exists(token) else ""
+    life = ("it stays up after the run: stop it with `ray stop`" if kept else
+            "it closes with this run (--keep-cluster keeps it)")
+    print(f"Ray dashboard: http://{url.removeprefix('http://')}{auth}; {life}", flush=True)
 
 
 def _check_reachable(address: str) -> None:
@@ -222,9 +257,18 @@ class RunFiles(_run_files_base()):
 
     def __init__(self, run_dir: str):
         self.run_dir = run_dir
+        self._tensorboard = None
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        report.record_epoch(self.run_dir, metrics[0])
+        m = metrics[0]
+        report.record_epoch(self.run_dir, m)
+        if self._tensorboard is None:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+        for key in report.METRICS[1:]:
+            self._tensorboard.add_scalar(key, m[key], m["epoch"])
+        self._tensorboard.flush()
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         rank, err = sorted(worker_exceptions.items())[0]

@@ -65,7 +65,34 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if (ckpt := ray.train.get_checkpoint()) is not None:
         with ckpt.as_directory() as directory:
             resume = checkpoint.load_state(directory)
-    run_worker(cfg, worker, _ray_report, resume)
+    gauges = RayGauges(cfg.run.name, worker.rank)
+
+    def report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
+        gauges.set(metrics)
+        _ray_report(metrics, state)
+
+    run_worker(cfg, worker, report, resume)
+
+
+class RayGauges:
+    """raytrain_* metrics on Ray's Prometheus endpoint, tagged by run and worker rank."""
+
+    NAMES = {"train_loss": "raytrain_train_loss", "train_acc": "raytrain_train_acc",
+             "test_loss": "raytrain_test_loss", "test_acc": "raytrain_test_acc",
+             "images_per_s": "raytrain_images_per_second", "epoch": "raytrain_epoch",
+             "lr": "raytrain_lr"}
+
+    def __init__(self, run: str, rank: int):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run, "rank": str(rank)}
+        self.gauges = {key: Gauge(name, description=f"raytrain {key} per epoch",
+                                  tag_keys=("run", "rank"))
+                       for key, name in self.NAMES.items()}
+
+    def set(self, metrics: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            gauge.set(float(metrics[key]), tags=self.tags)
 
 
 def _ray_report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
@@ -90,7 +117,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         torch.backends.cudnn.benchmark = True
     data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size).to(device)
     model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained)
-    ddp = prepare_model(model, worker)
+    ddp = prepare_model(model, worker, compile=cfg.model.compile)
     amp_dtype = autocast_dtype(o.precision, device)
     steps = steps_per_epoch(len(data.train_y), worker.world, cfg.per_worker_batch)
     optimizer = make_optimizer(model, cfg)
@@ -122,16 +149,17 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
 # ---------------------------------------------------------------------------- setup
 
 
-def prepare_model(model: nn.Module, worker: Worker) -> nn.Module:
-    """The one place a model meets distribution: device, memory format, DDP."""
+def prepare_model(model: nn.Module, worker: Worker, compile: bool = False) -> nn.Module:
+    """The one place a model meets distribution: device, memory format, DDP, compile."""
     model.to(worker.device)
     if worker.device.type == "cuda":
         model.to(memory_format=torch.channels_last)
-    if worker.world == 1:
-        return model
-    return nn.parallel.DistributedDataParallel(
-        model, device_ids=[worker.device] if worker.device.type == "cuda" else None,
-        gradient_as_bucket_view=True)  # grads live in the all-reduce buckets: no extra copy
+    wrapped = model
+    if worker.world > 1:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[worker.device] if worker.device.type == "cuda" else None,
+            gradient_as_bucket_view=True)  # grads live in the all-reduce buckets: no copy
+    return torch.compile(wrapped) if compile else wrapped
 
 
 def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from raytrain.config import RaytrainError
@@ -54,11 +55,12 @@ def record_epoch(run_dir: str, metrics: dict[str, Any]) -> None:
     _atomic_write(os.path.join(run_dir, "metrics.csv"), "\n".join(lines) + "\n")
 
 
-def epoch_line(m: dict[str, Any], epochs: int) -> str:
+def epoch_line(m: dict[str, Any], epochs: int, eta_s: float | None = None) -> str:
+    eta = "" if eta_s is None else f"  ETA {int(eta_s) // 60}:{int(eta_s) % 60:02d}"
     return (f"epoch {m['epoch']:>3}/{epochs}  train_loss {m['train_loss']:.4f}  "
             f"train_acc {m['train_acc']:.4f}  test_loss {m['test_loss']:.4f}  "
             f"test_acc {m['test_acc']:.4f}  lr {m['lr']:.2e}  "
-            f"{m['images_per_s']:,.0f} img/s  {m['epoch_s']:.1f}s")
+            f"{m['images_per_s']:,.0f} img/s  {m['epoch_s']:.1f}s{eta}")
 
 
 class EpochPrinter:
@@ -69,6 +71,7 @@ class EpochPrinter:
         self.run_dir, self.epochs, self.out = run_dir, epochs, out
         self.seen = {_row_key(r) for r in read_metrics(run_dir)}
         self.events = len(read_jsonl(os.path.join(run_dir, "events.jsonl")))
+        self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -104,7 +107,10 @@ class EpochPrinter:
             if m.get("resumed_from"):
                 print(f"recovered: resumed from the epoch {m['resumed_from']} checkpoint",
                       file=self.out, flush=True)
-            print(epoch_line(m, self.epochs), file=self.out, flush=True)
+            self.printed.append((time.monotonic(), m["epoch"]))
+            (t0, e0), (t1, e1) = self.printed[0], self.printed[-1]
+            eta = (t1 - t0) / (e1 - e0) * (self.epochs - e1) if e1 > e0 else None
+            print(epoch_line(m, self.epochs, eta), file=self.out, flush=True)
 
 
 def _row_key(row: dict[str, Any]) -> tuple:
