@@ -190,8 +190,92 @@ class RunSettings:
             self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
 
 
+SCHEDULERS = ("asha", "pbt", "none")
+SEARCHES = ("random", "optuna")
+
+
+@dataclass
+class TuneSettings:
+    """Tune: search lr and batch size over many trainings (--tune); other flags stay fixed."""
+
+    tune: bool = _opt(False, "run a Ray Tune search over --lr-range and --batch-sizes instead "
+                      "of one training run; results in STORAGE_PATH/NAME")
+    num_samples: int = _opt(8, "trials (with an lr list: repeats of the list)")
+    lr_range: Any = _opt("1e-4:1e-1", "LO:HI samples lr log-uniformly; V1,V2,... tries each "
+                         "value (global-batch lr)", metavar="LO:HI|V1,V2,..")
+    batch_sizes: Any = _opt("32,64,128,256", "global batch sizes to choose from",
+                            metavar="B1,B2,..")
+    scheduler: str = _opt("asha", "asha stops weak trials early, pbt copies strong trials' "
+                          "checkpoints and mutates lr/batch, none runs every trial to the end",
+                          choices=SCHEDULERS)
+    grace_period: int = _opt(1, "ASHA: epochs every trial runs before it can be stopped")
+    reduction_factor: int = _opt(2, "ASHA: 1/N of the trials go on at each rung")
+    perturbation_interval: int = _opt(2, "PBT: epochs between exploit/explore steps")
+    search: str = _opt("random", "random sampling, or optuna (TPE; pip install "
+                       "'raytrain[tune]')", choices=SEARCHES)
+    max_concurrent_trials: int | None = _opt(None, "trials at once (default: as many as the "
+                                             "cluster can place: CPUs // (num_workers x "
+                                             "cpus_per_worker), GPUs likewise)")
+
+    def __post_init__(self) -> None:
+        _check(self.num_samples >= 1, "num_samples", self.num_samples, "a whole number >= 1")
+        self.lr_range = _normalize_list(self.lr_range)
+        self.lr_space()  # raises on a bad value
+        self.batch_sizes = _normalize_list(self.batch_sizes)
+        self.batch_size_choices()
+        for key, choices in (("scheduler", SCHEDULERS), ("search", SEARCHES)):
+            value = getattr(self, key)
+            _check(value in choices, key, value, "one of " + ", ".join(choices))
+        _check(self.grace_period >= 1, "grace_period", self.grace_period, "a whole number >= 1")
+        _check(self.reduction_factor >= 2, "reduction_factor", self.reduction_factor,
+               "a whole number >= 2")
+        _check(self.perturbation_interval >= 1, "perturbation_interval",
+               self.perturbation_interval, "a whole number >= 1")
+        _check(self.max_concurrent_trials is None or self.max_concurrent_trials >= 1,
+               "max_concurrent_trials", self.max_concurrent_trials, "a whole number >= 1")
+        if self.tune and self.search == "optuna":  # trials run with tune off: no check there
+            import importlib.util
+
+            _check(importlib.util.find_spec("optuna") is not None, "search", "optuna",
+                   "random, or install optuna first (pip install 'raytrain[tune]')")
+            _check(self.scheduler != "pbt", "search", "optuna",
+                   "random with --scheduler pbt (PBT makes its own configs)")
+
+    def lr_space(self) -> tuple[str, list[float]]:
+        """("range", [lo, hi]) for LO:HI, or ("values", [v1, ...])."""
+        accepted = "LO:HI with 0 < LO < HI, or a list of numbers > 0 (V1,V2,...)"
+        text = self.lr_range
+        parts = text.split(":") if ":" in text else text.split(",")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError("lr_range", text, accepted) from None
+        ok = all(math.isfinite(v) and v > 0 for v in values)
+        if ":" in text:
+            _check(ok and len(values) == 2 and values[0] < values[1], "lr_range", text, accepted)
+            return "range", values
+        _check(ok, "lr_range", text, accepted)
+        return "values", values
+
+    def batch_size_choices(self) -> list[int]:
+        accepted = "whole numbers >= 1, comma-separated (B1,B2,...)"
+        try:
+            values = [int(p) for p in self.batch_sizes.split(",")]
+        except ValueError:
+            raise ConfigError("batch_sizes", self.batch_sizes, accepted) from None
+        _check(all(v >= 1 for v in values), "batch_sizes", self.batch_sizes, accepted)
+        return values
+
+
+def _normalize_list(value: Any) -> str:
+    """A YAML list/number or a CLI string -> "a,b,c" / "lo:hi" (what to_flat writes back)."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value).strip().strip("[]").replace(" ", "")
+
+
 SECTIONS = {"cluster": ClusterConfig, "model": ModelConfig, "data": DataConfig,
-            "optim": OptimConfig, "run": RunSettings}
+            "optim": OptimConfig, "run": RunSettings, "tune": TuneSettings}
 
 
 def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
@@ -208,6 +292,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunSettings = field(default_factory=RunSettings)
+    tune: TuneSettings = field(default_factory=TuneSettings)
 
     def __post_init__(self) -> None:
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",

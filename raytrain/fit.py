@@ -136,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         started_cluster = launch.connect(cfg.cluster.address, cfg.run.verbose,
                                           cfg.cluster.keep_cluster)
         try:
-            summary = launch.fit(cfg, STARTED_AT, resume=getattr(args, "resume", False),
-                                 fresh=getattr(args, "fresh", False))
+            run = launch.fit
+            if cfg.tune.tune:  # a search: many runs, see raytrain/tune.py
+                from raytrain import tune as tuning
+
+                run = tuning.run
+            summary = run(cfg, STARTED_AT, resume=getattr(args, "resume", False),
+                          fresh=getattr(args, "fresh", False))
         finally:
             if started_cluster:
                 import ray
@@ -155,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytrain: interrupted; workers stopped", file=sys.stderr)
         return 130
-    print_summary(summary)
+    if cfg.tune.tune:
+        tuning.print_summary(summary)
+    else:
+        print_summary(summary)
     return 0
 
 

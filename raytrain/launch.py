@@ -24,6 +24,12 @@ STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 # The Train controller polls workers every 2 s by default and a worker's report waits for
 # that poll: with short epochs this cost ~2 s per epoch (20 digits epochs: 65 s -> see README).
 CONTROLLER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
+if os.path.exists(TOKEN_FILE):
+    # Ray 2.60's client sends the token to an existing cluster only in token mode, read when
+    # ray is first imported (seen: "InvalidAuthToken" retries until the connect timeout). A
+    # token-mode client still joins a cluster without auth, and a new local one has auth on.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 class TrainingError(RaytrainError):
@@ -56,6 +62,7 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
     Returns True when raytrain started the cluster (and so must stop it). Never a bare
     ``ray.init()``: it would join a dead cluster recorded in /tmp/ray and wait forever.
     """
+    address = address or os.environ.get("RAY_ADDRESS") or None
     import ray
 
     os.environ.update(STATE_TRACKING)  # the dashboard's Train view needs it on every process
@@ -63,7 +70,6 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
         os.environ.setdefault(key, value)
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
     kept = None
     # Ray forwards every worker's and controller's output to the driver: tracebacks of
     # expected failures, deprecation notes. raytrain prints what matters itself.
@@ -110,8 +116,7 @@ def start_head() -> str:
 def print_dashboard(url: str | None, kept: bool) -> None:
     if not url:
         return
-    token = os.path.expanduser("~/.ray/auth_token")
-    auth = f"; sign in with the token in {token}" if os.path.exists(token) else ""
+    auth = f"; sign in with the token in {TOKEN_FILE}" if os.path.exists(TOKEN_FILE) else ""
     life = ("it stays up after the run: stop it with `ray stop`" if kept else
             "it closes with this run (--keep-cluster keeps it)")
     print(f"Ray dashboard: http://{url.removeprefix('http://')}{auth}; {life}", flush=True)

@@ -1,0 +1,679 @@
+"""The Tune layer: many trainings searching lr and batch size, weak ones stopped early.
+
+    python -m raytrain.fit --tune --num-samples 8 --num-workers 1 --dataset digits --epochs 10
+
+Train V2 has no ``Tuner(trainer)``: a Tune trial is ``run_trial``, a function that builds the
+same TorchTrainer as a plain run (``launch.build_trainer``) with the trial's lr and batch size
+and calls ``fit()``. The trial itself holds no CPU (``TRIAL_RESOURCES``); its Train workers
+hold ``--num-workers x --cpus-per-worker``, so at most ``max_concurrent`` trials run at once:
+a trial that held CPUs of its own would leave its own workers unplaceable (Ray issue #54305).
+
+Files, under ``STORAGE_PATH/NAME/`` (Tune's experiment directory; Tune keeps its own state and
+``tune-TRIAL_ID/`` folders there):
+
+    config.yaml            the resolved settings: search space and the flags all trials share
+    results.csv, tune.png  one row per trial; accuracy vs epoch per trial, lr vs best accuracy
+    model.pt               the best trial's best weights (a plain state_dict)
+    trials/TRIAL_ID/       the trial's run directory: config.yaml, metrics.jsonl/.csv,
+                           events.jsonl, starts.jsonl (where each start came from) and one Train
+                           run per start: train/ first, from-TRIAL-eEPOCH/ after a PBT exploit
+                           or pause, each holding checkpoint_epoch_NNNN/
+
+PBT needs a Tune checkpoint to exploit, and ``TuneReportCallback`` only forwards the path of the
+Train checkpoint as a metric. With ``--scheduler pbt`` the trial reports to Tune itself:
+``ForwardReports`` (a Train callback) hands each report and its checkpoint to the trial process,
+which reports it to Tune with a copy of the training state (``source.json`` says whose it is).
+A trial given such a checkpoint starts a new Train run from it (``StartFrom``), its optimizer
+and lr schedule re-made for the trial's new lr and batch size (``retarget``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytrain import checkpoint, launch, report
+from raytrain.config import NUM_CLASSES, ConfigError, RaytrainError, TrainConfig
+
+METRIC, MODE = "test_acc", "max"
+# Tune refuses an all-zero request; a trial only waits on its TorchTrainer, whose controller is
+# a num_cpus=0 actor too. A byte of memory instead of a "sliver of CPU" keeps CPU accounting
+# whole: with {"CPU": 0.01}, two 1-CPU trials on 2 CPUs would need 2.02 and one would stall.
+TRIAL_RESOURCES = {"CPU": 0, "memory": 1}
+SOURCE_FILE = "source.json"
+# Settings a resumed search may change (they do not change what the trials train).
+NOT_SEARCH = launch.NOT_TRAINING - {"num_workers", "cpus_per_worker"} | {
+    "max_concurrent_trials"}
+RESULT_COLUMNS = ("trial_id", "lr", "batch_size", "status", "epochs_run", "last_epoch",
+                  "final_test_acc", "best_test_acc", "best_epoch", "checkpoint",
+                  "started_from", "error")
+
+
+class TrialFailed(RuntimeError):
+    """Raised in a trial so that Tune marks it ERROR (the search goes on)."""
+
+
+@dataclass
+class TuneSummary:
+    exp_dir: str
+    rows: list[dict[str, Any]]
+    epochs: int
+    num_workers: int
+    wall_s: float
+    plot: str | None
+    model_path: str | None
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        ok = [r for r in self.rows if r["status"] != "failed" and r["best_test_acc"] != ""]
+        return max(ok, key=lambda r: r["best_test_acc"], default=None)
+
+    @property
+    def worker_epochs(self) -> int:
+        """Compute spent: epochs trained over all trials x workers per trial."""
+        return sum(r["epochs_run"] for r in self.rows) * self.num_workers
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
+        ) -> TuneSummary:
+    """Run (or resume) the search on the connected cluster and write its result files."""
+    from ray import tune
+
+    check(cfg)
+    use_gpu = launch.resolve_gpu(cfg)
+    launch.preflight(cfg, use_gpu)
+    exp_dir = cfg.run_dir
+    base = prepare_exp_dir(cfg, resume, fresh)
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, base=base, use_gpu=use_gpu), TRIAL_RESOURCES)
+    concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, use_gpu)
+    if tune.Tuner.can_restore(exp_dir):
+        print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)
+        tuner = tune.Tuner.restore(exp_dir, trainable=trainable)
+    else:
+        space = search_space(cfg)
+        print(f"tuning: {describe(cfg, space, concurrent)}", flush=True)
+        tuner = tune.Tuner(trainable, param_space=space,
+                           tune_config=tune_config(cfg, concurrent),
+                           run_config=run_config(cfg))
+    grid = tuner.fit()
+    summary = summarize(cfg, grid, time.time() - started_at)
+    unfinished = [t.trial_id for t in _trials(grid) if t.status not in ("TERMINATED", "ERROR")]
+    if unfinished:
+        raise launch.Interrupted(f"search interrupted with {len(unfinished)} trial(s) "
+                                 "unfinished; rerun the same command to resume it")
+    if summary.best is None:
+        reasons = "; ".join(f"{r['trial_id']}: {r['error']}" for r in summary.rows)
+        raise launch.TrainingError(f"all {len(summary.rows)} trials failed ({reasons[:400]})")
+    return summary
+
+
+def check(cfg: TrainConfig) -> None:
+    """Checks that span sections (each section checked its own fields)."""
+    t, epochs = cfg.tune, cfg.optim.epochs
+    for size in t.batch_size_choices():
+        if size < cfg.cluster.max_workers:
+            raise ConfigError("batch_sizes", t.batch_sizes, f"sizes of at least --num-workers "
+                              f"({cfg.cluster.max_workers}): the batch is global")
+    if t.scheduler == "asha" and t.grace_period > epochs:
+        raise ConfigError("grace_period", t.grace_period, f"at most --epochs ({epochs})")
+    if t.scheduler == "pbt" and t.perturbation_interval >= epochs:
+        raise ConfigError("perturbation_interval", t.perturbation_interval,
+                          f"less than --epochs ({epochs}) or PBT never perturbs")
+
+
+def prepare_exp_dir(cfg: TrainConfig, resume: bool, fresh: bool) -> dict[str, Any]:
+    """Create or re-open STORAGE/NAME; returns the flat config every trial starts from."""
+    exp_dir = cfg.run_dir
+    if fresh and os.path.isdir(exp_dir):
+        shutil.rmtree(exp_dir)
+    flat = cfg.to_flat()
+    saved_path = os.path.join(exp_dir, "config.yaml")
+    if os.path.exists(saved_path):
+        with open(saved_path) as f:
+            saved = yaml.safe_load(f) or {}
+        if not saved.get("tune"):
+            raise RaytrainError(f"--name {cfg.run.name}: {exp_dir} holds a training run, not a "
+                                "search; use another --name (or --fresh to delete it)")
+        changed = sorted(k for k, v in flat.items() if k not in NOT_SEARCH and saved.get(k) != v)
+        if changed and not resume:
+            diff = ", ".join(f"{k}: {saved.get(k)!r} -> {flat[k]!r}" for k in changed)
+            raise RaytrainError(f"--name {cfg.run.name}: {exp_dir} holds a search with other "
+                                f"settings ({diff}); pass --resume to continue it (its search "
+                                "space stays), --fresh to start over, or another --name")
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+    except OSError as err:
+        raise RaytrainError(f"--storage-path {cfg.run.storage_path}: cannot create {exp_dir} "
+                            f"({err.strerror})") from None
+    report._atomic_write(saved_path, yaml.safe_dump(flat, sort_keys=False))
+    # Trials run in their own working directory: hand them absolute paths.
+    for key in ("data_dir", "pretrained"):
+        if flat.get(key):
+            flat[key] = os.path.abspath(flat[key])
+    return flat
+
+
+def placeable_trials(cfg: TrainConfig, use_gpu: bool) -> int:
+    """How many trials' worker groups the cluster can hold at once (at least 1)."""
+    import ray
+
+    c = cfg.cluster
+    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
+    workers = sum(int(min(n["Resources"].get(k, 0.0) // v for k, v in need.items()))
+                  for n in ray.nodes() if n.get("Alive"))
+    return max(1, workers // c.max_workers)
+
+
+def search_space(cfg: TrainConfig) -> dict[str, Any]:
+    from ray import tune
+
+    kind, values = cfg.tune.lr_space()
+    if kind == "range":
+        lr = tune.loguniform(*values)
+    elif cfg.tune.search == "optuna":  # searchers take no grid: a categorical choice
+        lr = tune.choice(values)
+    else:
+        lr = tune.grid_search(values)
+    return {"lr": lr, "batch_size": tune.choice(cfg.tune.batch_size_choices())}
+
+
+def tune_config(cfg: TrainConfig, concurrent: int):
+    from ray import tune
+
+    t = cfg.tune
+    if t.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search = OptunaSearch(seed=cfg.run.seed)
+    else:
+        from ray.tune.search.basic_variant import BasicVariantGenerator
+
+        search = BasicVariantGenerator(random_state=cfg.run.seed)
+    return tune.TuneConfig(metric=METRIC, mode=MODE, scheduler=scheduler(cfg),
+                           search_alg=search, num_samples=t.num_samples,
+                           max_concurrent_trials=concurrent, reuse_actors=False,
+                           trial_dirname_creator=_tune_dirname)
+
+
+def scheduler(cfg: TrainConfig):
+    """ASHA / PBT / FIFO; time is the reported ``epoch`` (a restarted trial keeps counting)."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    t = cfg.tune
+    if t.scheduler == "asha":
+        return ASHAScheduler(time_attr="epoch", max_t=cfg.optim.epochs,
+                             grace_period=t.grace_period, reduction_factor=t.reduction_factor)
+    if t.scheduler == "pbt":
+        kind, values = t.lr_space()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return PopulationBasedTraining(
+                time_attr="epoch", perturbation_interval=t.perturbation_interval,
+                hyperparam_mutations={
+                    "lr": tune.loguniform(*values) if kind == "range" else values,
+                    "batch_size": t.batch_size_choices()})
+    return FIFOScheduler()
+
+
+def run_config(cfg: TrainConfig):
+    from ray import tune
+
+    pbt = cfg.tune.scheduler == "pbt"
+    return tune.RunConfig(
+        name=cfg.run.name, storage_path=cfg.run.storage_path,
+        # A failed trial is recorded and the search goes on; it is not retried.
+        failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
+        # PBT restores trials from these; a copy per perturbation interval, the last 4 kept.
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=4 if pbt else None),
+        callbacks=[Progress(cfg.run_dir, cfg.optim.epochs)], verbose=1 if cfg.run.verbose else 0)
+
+
+def describe(cfg: TrainConfig, space: dict[str, Any], concurrent: int) -> str:
+    t = cfg.tune
+    kind, values = t.lr_space()
+    lr = (f"lr log-uniform in [{values[0]:g}, {values[1]:g}]" if kind == "range"
+          else "lr in {" + ", ".join(f"{v:g}" for v in values) + "}")
+    trials = t.num_samples * (len(values) if kind == "values" and t.search == "random" else 1)
+    sched = {"asha": f"ASHA (grace {t.grace_period}, reduction {t.reduction_factor})",
+             "pbt": f"PBT (perturbation every {t.perturbation_interval} epochs)",
+             "none": "no early stopping"}[t.scheduler]
+    return (f"{trials} trials, {lr}, batch size in {{{t.batch_sizes}}}, {t.search} search, "
+            f"{sched}, {concurrent} at once x {cfg.cluster.max_workers} worker(s), "
+            f"{cfg.optim.epochs} epochs max")
+
+
+def _tune_dirname(trial) -> str:
+    return f"tune-{trial.trial_id}"
+
+
+def _trials(grid) -> list:
+    # ResultGrid has no public per-trial status; its ExperimentAnalysis has the Trials.
+    return list(grid._experiment_analysis.trials)
+
+
+def _progress_base():
+    from ray.tune import Callback
+
+    return Callback
+
+
+class Progress(_progress_base()):
+    """Tune callback on the driver: one line when a trial starts, ends or fails."""
+
+    def __init__(self, exp_dir: str, epochs: int):
+        self.exp_dir, self.epochs = exp_dir, epochs
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        c = trial.config
+        print(f"trial {trial.trial_id} started: lr {c['lr']:.3g}, batch {c['batch_size']}",
+              flush=True)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        r = trial.last_result or {}
+        if "error" in r:
+            return  # the trial raises next; on_trial_error says it
+        epoch = r.get("epoch", 0)
+        how = "finished" if epoch >= self.epochs else "stopped early"
+        acc = f", test_acc {r[METRIC]:.4f}" if METRIC in r else ""
+        print(f"trial {trial.trial_id} {how} at epoch {epoch}/{self.epochs}{acc}", flush=True)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        print(f"trial {trial.trial_id} failed: {trial_error(trial.trial_id, self.exp_dir)}",
+              flush=True)
+
+
+# ---------------------------------------------------------------------------- trial
+
+
+def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool) -> None:
+    """One Tune trial: a TorchTrainer for this trial's lr and batch size, run to the end."""
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    trial_dir = os.path.join(base["storage_path"], base["name"], "trials", trial_id)
+    os.makedirs(trial_dir, exist_ok=True)
+    start = starting_point(ray.tune.get_checkpoint(), trial_id)
+    segment = start["segment"] if start else "train"
+    cfg = TrainConfig.from_flat({**base, "lr": float(config["lr"]),
+                                 "batch_size": int(config["batch_size"]), "tune": False,
+                                 "storage_path": trial_dir, "name": segment})
+    report._atomic_write(os.path.join(trial_dir, "config.yaml"),
+                         yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    pbt = base["scheduler"] == "pbt"
+    forward = ForwardReports() if pbt else None
+    trainer = launch.build_trainer(cfg, use_gpu, callbacks=[
+        launch.RunFiles(trial_dir), forward or TuneReportCallback()])
+    if start:
+        state_dir = prepare_start(start, cfg, trial_dir)
+        trainer.train_loop_per_worker = StartFrom(state_dir)
+    _append_jsonl(os.path.join(trial_dir, "starts.jsonl"), {
+        "segment": segment, "from_trial": start and start["trial_id"],
+        "from_epoch": start and start["epoch"], "lr": cfg.optim.lr,
+        "batch_size": cfg.optim.batch_size, "time": time.time()})
+    try:
+        if forward:
+            fit_forwarding(trainer, forward, trial_id, segment, base["perturbation_interval"],
+                           cfg.optim.epochs)
+        else:
+            trainer.fit()
+    except Exception as err:  # past the worker failure budget, or the controller's
+        fail(trial_dir, f"training failed: {launch._short(err)}")
+    rows = report.read_metrics(trial_dir)
+    if rows and "error" in rows[-1]:
+        fail(trial_dir, rows[-1]["error"])
+
+
+def fail(trial_dir: str, reason: str) -> None:
+    report.append_event(trial_dir, {"event": "trial_failed", "error": reason,
+                                    "time": time.time()})
+    raise TrialFailed(reason)
+
+
+def _append_jsonl(path: str, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def starting_point(tune_ckpt, trial_id: str) -> dict[str, Any] | None:
+    """Where a (re)started trial begins: None (epoch 0), or the source of its Tune checkpoint.
+
+    Each source gets its own Train run (``segment``): starting again from the same source (the
+    search was interrupted) resumes that run from its own latest checkpoint.
+    """
+    if tune_ckpt is None:
+        return None
+    with tune_ckpt.as_directory() as directory:
+        with open(os.path.join(directory, SOURCE_FILE)) as f:
+            source = json.load(f)
+        source["tune_checkpoint"] = tune_ckpt
+    source["segment"] = f"from-{source['trial_id']}-e{source['epoch']:04d}"
+    source["exploit"] = source["trial_id"] != trial_id
+    return source
+
+
+def prepare_start(start: dict[str, Any], cfg: TrainConfig, trial_dir: str) -> str:
+    """The training state this trial's new Train run starts from, fitted to its config."""
+    state_dir = os.path.join(trial_dir, "starts", start["segment"])
+    if os.path.exists(os.path.join(state_dir, checkpoint.STATE_FILE)):
+        return state_dir
+    os.makedirs(state_dir, exist_ok=True)
+    with start["tune_checkpoint"].as_directory() as directory:
+        state = checkpoint.load_state(directory)
+    state = retarget(state, cfg)
+    checkpoint.save(state, state_dir)
+    return state_dir
+
+
+def retarget(state: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
+    """``state`` with its optimizer and lr schedule re-made for ``cfg`` at the same epoch.
+
+    PBT's explore changes lr and batch size; a restored optimizer would keep the old lr, and a
+    restored schedule the old length. Weights, momentum buffers and RNG state carry over; the
+    schedule is the one ``cfg`` would have had, stepped to the epoch the state is at.
+    """
+    old = state.get("config", {})
+    keys = ("lr", "batch_size", "num_workers")
+    if all(old.get(k) == v for k, v in cfg.to_flat().items() if k in keys):
+        return state
+    from raytrain.data import load_dataset, steps_per_epoch
+    from raytrain.loop import make_optimizer, make_scheduler
+    from raytrain.models import build_model
+
+    data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size)
+    steps = steps_per_epoch(len(data.train_y), cfg.cluster.max_workers, cfg.per_worker_batch)
+    model = build_model(cfg.model.model, NUM_CLASSES[cfg.data.dataset])
+    optimizer = make_optimizer(model, cfg)
+    schedule = make_scheduler(optimizer, cfg, steps * cfg.optim.epochs)
+    done = state["epoch"]
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
+        warnings.simplefilter("ignore")
+        for _ in range(done * steps):
+            schedule.step()
+    groups = [{**g_old, **{k: v for k, v in g_new.items() if k != "params"}}
+              for g_old, g_new in zip(state["optimizer"]["param_groups"],
+                                      optimizer.state_dict()["param_groups"])]
+    return {**state, "optimizer": {**state["optimizer"], "param_groups": groups},
+            "scheduler": schedule.state_dict(), "step": done * steps, "config": cfg.to_flat()}
+
+
+class StartFrom:
+    """Train worker function of a run that starts from a given training state (PBT).
+
+    Train V2 has no ``resume_from_checkpoint``: this is ``loop.train_loop_per_worker`` with that
+    state as the checkpoint to resume from, unless the run has a checkpoint of its own (its
+    workers were restarted, or the search resumed), which is newer.
+    """
+
+    def __init__(self, state_dir: str):
+        self.state_dir = state_dir
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        import logging
+
+        import ray.train
+        import ray.train.torch
+
+        from raytrain import loop
+
+        if ray.train.get_checkpoint() is not None:
+            return loop.train_loop_per_worker(config)
+        cfg = TrainConfig.from_flat(config)
+        if not cfg.run.verbose:
+            from ray.train.v2._internal.execution import context as train_context
+
+            logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+        ctx = ray.train.get_context()
+        worker = loop.Worker(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(),
+                             ray.train.torch.get_device())
+        loop.run_worker(cfg, worker, loop._ray_report, checkpoint.load_state(self.state_dir))
+
+
+def _user_callback_base():
+    from ray.train.v2.api.callback import UserCallback
+
+    return UserCallback
+
+
+class ForwardReports(_user_callback_base()):
+    """Train-controller callback: hands each report and its checkpoint to the trial process.
+
+    ``TuneReportCallback`` forwards only the checkpoint's path (as a metric); PBT needs a Tune
+    checkpoint to exploit, and only the trial process can report one (``fit_forwarding``).
+    """
+
+    def __init__(self):
+        from ray.util.queue import Queue
+
+        self.queue = Queue(maxsize=1, actor_options={"num_cpus": 0})
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        self.queue.put((dict(metrics[0]), checkpoint))  # waits until the trial took the last
+
+
+def fit_forwarding(trainer, forward: ForwardReports, trial_id: str, segment: str,
+                   every: int, epochs: int) -> None:
+    """``trainer.fit()`` in a thread; this one reports to Tune, with checkpoints."""
+    from ray.util.queue import Empty
+
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - re-raised below, in the trial thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=target, name="raytrain-trial-fit", daemon=True)
+    thread.start()
+    while True:
+        alive = thread.is_alive()
+        try:
+            metrics, ckpt = forward.queue.get(block=alive, timeout=0.5 if alive else None)
+        except Empty:
+            if alive:
+                continue
+            break
+        # A copy per perturbation interval: PBT saves and exploits at those epochs.
+        keep = ckpt is not None and "error" not in metrics and (
+            metrics["epoch"] % every == 0 or metrics["epoch"] == epochs)
+        report_to_tune(metrics, ckpt if keep else None, trial_id, segment)
+    if "error" in outcome:
+        raise outcome["error"]
+
+
+def report_to_tune(metrics: dict[str, Any], ckpt, trial_id: str, segment: str) -> None:
+    import ray.tune
+
+    if ckpt is None:
+        ray.tune.report(metrics)
+        return
+    metrics = {**metrics, "checkpoint_path": ckpt.path}
+    with tempfile.TemporaryDirectory(prefix="raytrain-tune-ckpt-") as directory:
+        with ckpt.as_directory() as train_dir:
+            shutil.copy2(os.path.join(train_dir, checkpoint.STATE_FILE), directory)
+        with open(os.path.join(directory, SOURCE_FILE), "w") as f:
+            json.dump({"trial_id": trial_id, "epoch": metrics["epoch"], "segment": segment,
+                       "train_checkpoint": ckpt.path}, f)
+        ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(directory))
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
+    """results.csv, tune.png and the best trial's model.pt from a finished (or stopped) search."""
+    exp_dir = cfg.run_dir
+    rows = [trial_row(cfg, trial, result) for trial, result in zip(_trials(grid), grid)]
+    rows.sort(key=lambda r: r["trial_id"])
+    write_csv(os.path.join(exp_dir, "results.csv"), rows)
+    summary = TuneSummary(exp_dir, rows, cfg.optim.epochs, cfg.cluster.max_workers, wall_s,
+                          None, None)
+    summary.plot = plot(exp_dir, rows)
+    best = summary.best
+    if best and best["checkpoint"]:
+        from ray.train import Checkpoint
+
+        summary.model_path = launch.export_model(exp_dir, Checkpoint(best["checkpoint"]))
+    return summary
+
+
+def trial_row(cfg: TrainConfig, trial, result) -> dict[str, Any]:
+    trial_dir = os.path.join(cfg.run_dir, "trials", trial.trial_id)
+    rows = report.read_metrics(trial_dir)
+    reports = result.metrics_dataframe
+    n_reports = 0 if reports is None or "epoch" not in reports else int(
+        reports["epoch"].notna().sum())
+    error = ""
+    if trial.status == "ERROR" or (rows and "error" in rows[-1]):
+        status, error = "failed", trial_error(trial.trial_id, cfg.run_dir, result.error)
+    elif rows and rows[-1]["epoch"] >= cfg.optim.epochs:
+        status = "completed"
+    elif trial.status == "TERMINATED":
+        status = "stopped"
+    else:
+        status = trial.status.lower()  # pending / running / paused: an interrupted search
+    accs = [(r["test_acc"], r["epoch"]) for r in rows
+            if isinstance(r.get("test_acc"), float) and math.isfinite(r["test_acc"])]
+    best_acc, best_epoch = max(accs, default=("", ""))
+    starts = report.read_jsonl(os.path.join(trial_dir, "starts.jsonl"))
+    return {
+        "trial_id": trial.trial_id, "lr": float(trial.config["lr"]),
+        "batch_size": int(trial.config["batch_size"]), "status": status,
+        "epochs_run": n_reports, "last_epoch": rows[-1]["epoch"] if rows else 0,
+        "final_test_acc": rows[-1]["test_acc"] if rows else "",
+        "best_test_acc": best_acc, "best_epoch": best_epoch,
+        "checkpoint": best_checkpoint(reports),
+        "started_from": ";".join(f"{s['from_trial']}@{s['from_epoch']}" for s in starts
+                                 if s.get("from_trial") and s["from_trial"] != trial.trial_id),
+        "error": error,
+    }
+
+
+def trial_error(trial_id: str, exp_dir: str | None, err: BaseException | None = None) -> str:
+    """The one-line reason a trial failed: what the trial recorded, else Ray's error."""
+    if exp_dir is not None:
+        events = report.read_jsonl(os.path.join(exp_dir, "trials", trial_id, "events.jsonl"))
+        failed = [e["error"] for e in events if e["event"] == "trial_failed"]
+        if failed:
+            return failed[-1]
+    if err is None:
+        return "see the trial's error.txt"
+    text = launch._short(err)
+    return text.removeprefix(f"{TrialFailed.__module__}.TrialFailed: ").removeprefix(
+        "TrialFailed: ")
+
+
+def best_checkpoint(reports) -> str:
+    """The reported checkpoint with the best test_acc that is still on disk."""
+    if reports is None or "checkpoint_path" not in reports or METRIC not in reports:
+        return ""
+    rows = reports.dropna(subset=["checkpoint_path", METRIC]).sort_values(
+        METRIC, ascending=False, kind="stable")
+    for path in rows["checkpoint_path"]:
+        if os.path.exists(os.path.join(path, checkpoint.STATE_FILE)):
+            return path
+    return ""
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=RESULT_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+def read_results(exp_dir: str) -> list[dict[str, str]]:
+    with open(os.path.join(exp_dir, "results.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot(exp_dir: str, rows: list[dict[str, Any]]) -> str | None:
+    """tune.png: test accuracy vs epoch per trial; lr vs best test accuracy."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_curve, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = sorted({r["batch_size"] for r in rows})
+    colors = {b: plt.cm.viridis(i / max(len(sizes) - 1, 1)) for i, b in enumerate(sizes)}
+    for r in rows:
+        metrics = report.read_metrics(os.path.join(exp_dir, "trials", r["trial_id"]))
+        style = {"failed": ":", "stopped": "--"}.get(r["status"], "-")
+        ax_curve.plot([m["epoch"] for m in metrics], [m["test_acc"] for m in metrics], style,
+                      marker=".", label=f"{r['trial_id'][-5:]} lr {r['lr']:.2g} b{r['batch_size']}")
+        acc = r["best_test_acc"] if r["best_test_acc"] != "" else 0.0
+        ax_lr.scatter(r["lr"], acc, color=colors[r["batch_size"]],
+                      marker="x" if r["status"] == "failed" else "o", s=50)
+    for b, color in colors.items():
+        ax_lr.scatter([], [], color=color, label=f"batch {b}")
+    ax_lr.scatter([], [], color="gray", marker="x", label="failed")
+    ax_curve.set(xlabel="epoch", ylabel="test accuracy",
+                 title="test accuracy per trial (dashed: stopped early)")
+    ax_lr.set(xscale="log", xlabel="learning rate (global batch)", ylabel="best test accuracy",
+              title="learning rate vs best test accuracy")
+    for ax in (ax_curve, ax_lr):
+        ax.grid(alpha=0.3)
+    ax_curve.legend(fontsize=7, ncol=2)
+    ax_lr.legend(fontsize=8)
+    fig.suptitle(os.path.basename(os.path.normpath(exp_dir)))
+    fig.tight_layout()
+    path = os.path.join(exp_dir, "tune.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_text(summary: TuneSummary) -> str:
+    head = (f"{'trial':<12} {'lr':>9} {'batch':>5} {'status':<9} {'epochs':>6} "
+            f"{'final_acc':>9} {'best_acc':>8}")
+    lines = [head]
+    for r in summary.rows:
+        final = f"{r['final_test_acc']:.4f}" if r["final_test_acc"] != "" else "-"
+        best = f"{r['best_test_acc']:.4f}" if r["best_test_acc"] != "" else "-"
+        lines.append(f"{r['trial_id']:<12} {r['lr']:>9.3g} {r['batch_size']:>5} "
+                     f"{r['status']:<9} {r['epochs_run']:>6} {final:>9} {best:>8}"
+                     + (f"  from {r['started_from']}" if r["started_from"] else ""))
+    for r in summary.rows:
+        if r["status"] == "failed":
+            lines.append(f"trial {r['trial_id']} failed: {r['error']}")
+    most = len(summary.rows) * summary.epochs * summary.num_workers
+    lines.append(f"worker-epochs spent: {summary.worker_epochs} of {most} for every trial "
+                 f"to run all {summary.epochs} epochs; wall time {summary.wall_s:.1f}s")
+    best = summary.best
+    if best:
+        lines.append(f"best: trial {best['trial_id']}: lr {best['lr']:.4g}, batch_size "
+                     f"{best['batch_size']}: test_acc {best['best_test_acc']:.4f} at epoch "
+                     f"{best['best_epoch']}")
+        lines.append(f"best checkpoint: {best['checkpoint'] or '(none kept)'}")
+    lines.append(f"results: {os.path.join(summary.exp_dir, 'results.csv')}"
+                 + (f", plot: {summary.plot}" if summary.plot else ""))
+    if summary.model_path:
+        lines.append(f"weights: {summary.model_path}")
+    return "\n".join(lines)
+
+
+def print_summary(summary: TuneSummary) -> None:
+    print()
+    print(summary_text(summary))
