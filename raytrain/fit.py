@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from raytrain import launch
 
+        launch.check_data(cfg)
         started_cluster = launch.connect(cfg.cluster.address, cfg.run.verbose,
                                           cfg.cluster.keep_cluster)
         try:

@@ -137,6 +137,16 @@ def _check_reachable(address: str) -> None:
                             ) from None
 
 
+def check_data(cfg: TrainConfig) -> None:
+    """Load a file-backed dataset once on the driver, before any Ray process starts: a missing
+    or corrupt --data-dir fails here in one line (and a download lands in the node's cache
+    before the workers look for it) instead of in every worker, retried --max-failures times."""
+    if cfg.data.dataset in ("cifar10", "cifar100"):
+        from raytrain.data import load_dataset
+
+        load_dataset(cfg.data.dataset, cfg.data.data_dir)
+
+
 def resolve_gpu(cfg: TrainConfig) -> bool:
     import ray
 

@@ -119,7 +119,9 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
     model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained)
     ddp = prepare_model(model, worker, compile=cfg.model.compile)
     amp_dtype = autocast_dtype(o.precision, device)
-    steps = steps_per_epoch(len(data.train_y), worker.world, cfg.per_worker_batch)
+    # The global batch is split over the workers actually running (elastic runs may have
+    # fewer than --num-workers' maximum).
+    steps = steps_per_epoch(len(data.train_y), worker.world, max(1, o.batch_size // worker.world))
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, steps * o.epochs)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)

@@ -121,3 +121,23 @@ def test_pretrained_weights_load_with_a_new_head(tmp_path):
     model = build_model("seed-cnn", 10, str(tmp_path / "w.pt"))
     assert torch.equal(model.conv1.weight, donor.conv1.weight)
     assert model.fc3.weight.shape == (10, 84)
+
+
+def test_bad_data_dir_fails_before_any_ray_process(tmp_path, capsys):
+    """Corrupt or absent CIFAR data is caught on the driver, not in retried workers."""
+    from tests.conftest import write_tiny_cifar
+
+    folder = write_tiny_cifar(tmp_path / "corrupt")
+    with open(os.path.join(folder, "test_batch"), "r+b") as f:
+        f.truncate(50)
+    (tmp_path / "empty").mkdir()
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    for data_dir, expected in ((tmp_path / "corrupt", "--data-dir"),
+                               (tmp_path / "empty", "the download failed")):
+        rc = fit.main(["--dataset", "cifar10", "--data-dir", str(data_dir),
+                       "--storage-path", str(tmp_path / "runs")])
+        err = capsys.readouterr().err
+        assert rc == 2 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(tmp_path / "runs")
+    if not ray_was_up:  # raytrain started no Ray for it
+        assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
