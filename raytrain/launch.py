@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,10 +26,12 @@ STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 # that poll: with short epochs this cost ~2 s per epoch (20 digits epochs: 65 s -> see README).
 CONTROLLER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
-if os.path.exists(TOKEN_FILE):
+if os.path.exists(TOKEN_FILE) and "ray" not in sys.modules:
     # Ray 2.60's client sends the token to an existing cluster only in token mode, read when
     # ray is first imported (seen: "InvalidAuthToken" retries until the connect timeout). A
     # token-mode client still joins a cluster without auth, and a new local one has auth on.
+    # Once ray is imported the mode is fixed: changing it then would only reach the processes
+    # a new local cluster starts, and they would refuse this client.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
@@ -148,37 +151,88 @@ def check_data(cfg: TrainConfig) -> None:
 
 
 def resolve_gpu(cfg: TrainConfig) -> bool:
+    """--use-gpu/--no-gpu, else GPUs if the cluster has them or can autoscale to them."""
     import ray
 
     if cfg.cluster.use_gpu is not None:
         return cfg.cluster.use_gpu
-    return ray.cluster_resources().get("GPU", 0) > 0
+    return ray.cluster_resources().get("GPU", 0) > 0 or \
+        any(g["resources"].get("GPU", 0) > 0 for g in autoscaling_groups())
+
+
+def autoscaling_groups() -> list[dict]:
+    """Node groups an autoscaler can still add (empty for a fixed cluster such as a local one):
+    [{"resources": {...}, "max_count": n}] with n = -1 for unlimited."""
+    import ray._private.state
+
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:  # an older GCS without the autoscaler state namespace
+        return []
+    if config is None:
+        return []
+    return [{"resources": dict(g.resources), "max_count": g.max_count}
+            for g in config.node_group_configs if g.max_count != 0]
 
 
 def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
-    """Fail fast when the cluster cannot place the workers (Ray would retry forever)."""
+    """Fail within seconds when the cluster cannot place the workers: Ray itself would retry
+    forever. An autoscaling cluster, or an elastic MIN:MAX run, gets --wait-timeout to grow,
+    with a visible message; an impossible request fails at once either way."""
     import ray
+
+    from raytrain.cluster import check_storage_for_multinode
 
     c = cfg.cluster
     need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
-    deadline = time.monotonic() + (c.wait_timeout if isinstance(c.num_workers, tuple) else 0)
+    groups = autoscaling_groups()
+    can_grow = any(_fits(g["resources"], need) for g in groups)
+    if groups:  # nodes that join later are other hosts: a local path would be split
+        check_storage_for_multinode(cfg.run.storage_path, [
+            {"Alive": True, "NodeManagerAddress": "head"},
+            {"Alive": True, "NodeManagerAddress": "autoscaled"}], c.shared_storage)
+    patient = can_grow or isinstance(c.num_workers, tuple)
+    deadline = time.monotonic() + (c.wait_timeout if patient else 0)
+    requested = False
     while True:
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        placeable = sum(_fits(node, need) for node in nodes)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        placeable = sum(_fits(n["Resources"], need) for n in alive)
         if placeable >= c.min_workers:
-            return
-        if time.monotonic() >= deadline:
             break
-        print(f"waiting for resources: {placeable}/{c.min_workers} workers placeable "
-              f"(--wait-timeout {c.wait_timeout:g}s)", flush=True)
+        if time.monotonic() >= deadline:
+            _clear_request(requested)
+            raise RaytrainError(_no_room(c, need, use_gpu, placeable, len(alive), can_grow))
+        if can_grow and not requested:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[need] * c.min_workers)
+            requested = True
+        print(f"waiting for resources: room for {placeable}/{c.min_workers} workers"
+              + (" (autoscaler asked for more nodes)" if requested else "")
+              + f"; --wait-timeout {c.wait_timeout:g}s", flush=True)
         time.sleep(5)
+    _clear_request(requested)  # the workers' placement group now holds what they need
+    check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
+
+
+def _clear_request(requested: bool) -> None:
+    if requested:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+
+
+def _no_room(c, need: dict[str, float], use_gpu: bool, placeable: int, n_nodes: int,
+             can_grow: bool) -> str:
+    import ray
+
     total = ray.cluster_resources()
-    has = f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs in {len(nodes)} node(s)"
+    has = f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs in {n_nodes} node(s)"
     asked = " + ".join(f"{v:g} {k}" for k, v in need.items())
-    raise RaytrainError(
-        f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; the "
-        f"cluster has {has}, room for {placeable}. Lower --num-workers/--cpus-per-worker"
-        + (", drop --use-gpu" if use_gpu else "") + ", or add nodes")
+    waited = f" after waiting {c.wait_timeout:g}s" if can_grow else ""
+    return (f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; the "
+            f"cluster has {has}, room for {placeable}{waited}. Lower --num-workers/"
+            "--cpus-per-worker" + (", drop --use-gpu" if use_gpu else "") + ", or add nodes")
 
 
 def _fits(node: dict[str, float], need: dict[str, float]) -> int:
