@@ -49,8 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch-size", type=int, default=512, help="per-device batch")
     p.add_argument("--images", type=int, default=50_000, help="training images per epoch (1.)")
-    p.add_argument("--epochs", type=int, default=3, help="run_worker epochs (1.); first = warm-up")
-    p.add_argument("--steps", type=int, default=100, help="timed steps (2.-4.)")
+    p.add_argument("--epochs", type=int, default=5, help="run_worker epochs (1.); first = warm-up")
+    p.add_argument("--steps", type=int, default=200, help="timed steps (2.-4.)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before (2.-4.)")
     p.add_argument("--precision", choices=("bf16", "fp32", "fp16"), default=None,
                    help="default: bf16 on CUDA, fp32 on CPU")
@@ -71,6 +71,10 @@ def parse_args(argv=None):
         args.precision = "bf16" if args.device.type == "cuda" else "fp32"
     if args.peak_tflops is None and args.device.type == "cuda":
         args.peak_tflops = 989.0
+        name = torch.cuda.get_device_name(args.device)
+        if not any(g in name for g in ("H100", "H200")):
+            print(f"note: {name} is not an H100/H200; MFU uses 989 TFLOP/s unless you pass "
+                  "--peak-tflops", flush=True)
     return args
 
 
