@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -87,7 +88,9 @@ def config(args, batch: int) -> TrainConfig:
     return TrainConfig.from_flat(dict(
         num_workers=1, model="resnet18", dataset="synthetic", synthetic_size=args.images,
         augment=True, batch_size=batch, epochs=args.epochs, precision=args.precision,
-        storage_path=tempfile.mkdtemp(prefix="raytrain-gpu-bench-"), name="bench",
+        # run_worker writes nothing under storage_path unless the run directory exists
+        storage_path=os.path.join(tempfile.gettempdir(), "raytrain-gpu-bench-unused"),
+        name="bench",
         checkpoint_every=10**6))
 
 
