@@ -40,5 +40,5 @@ def check_storage_for_multinode(storage_path: str, nodes: list[dict[str, Any]],
         return
     raise RaytrainError(
         f"--storage-path {storage_path}: node-local disk, but the workers may run on "
-        f"{len(alive)} nodes on {len(hosts)} hosts; use shared storage (s3://..., an NFS "
+        f"{len(alive)} nodes on {len(hosts)} hosts; use shared storage (an EFS/NFS "
         "mount) or pass --shared-storage if this path is shared")

@@ -186,8 +186,10 @@ class RunSettings:
                "a whole number >= 1")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints,
                "a whole number >= 1")
-        if "://" not in self.storage_path:
-            self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
+        _check("://" not in self.storage_path, "storage_path", self.storage_path,
+               "a file-system path (a shared mount such as EFS/NFS for multi-node runs; "
+               "object-store URIs are not supported yet)")
+        self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
 
 
 SCHEDULERS = ("asha", "pbt", "none")

@@ -164,36 +164,44 @@ def batches(indices: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
 
 
 class Augment:
-    """Batched normalisation, random crop (zero padding) and horizontal flip on the device."""
+    """Batched random crop (black padding, like torchvision's RandomCrop), horizontal flip and
+    normalisation on the device: one gather on the uint8 batch, then one fused multiply-add.
+
+    3.2-3.6x faster on one CPU thread than normalise -> pad -> gather -> where-flip
+    (benchmarks/augment_variants.py: 28k -> 90k images/s at batch 64).
+    """
 
     def __init__(self, mean, std, device: torch.device, crop_pad: int = 0, flip: bool = False,
                  channels_last: bool = False):
-        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
+        mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
         self.inv_std = 1.0 / (torch.tensor(std, device=device).view(1, -1, 1, 1) * 255)
+        self.shift = -mean_t * self.inv_std
         self.pad, self.flip, self.channels_last = crop_pad, flip, channels_last
 
     def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None
                  ) -> torch.Tensor:
         """uint8 [B, C, H, W] -> normalised float; random crop/flip when a generator is given."""
-        x = (x.float() - self.mean) * self.inv_std
-        if generator is not None and self.pad:
-            x = random_crop(x, self.pad, generator)
-        if generator is not None and self.flip:
-            flip = torch.rand(x.shape[0], device=x.device, generator=generator) < 0.5
-            x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
+        if generator is not None and (self.pad or self.flip):
+            x = crop_and_flip(x, self.pad, self.flip, generator)
+        x = torch.addcmul(self.shift, x.float(), self.inv_std)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
 
-def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Zero-pad by ``pad`` and take a random HxW window per image, as one gather."""
-    b, _, h, w = x.shape
-    xp = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
-    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
-    rows = (dy + torch.arange(h, device=x.device)).view(b, 1, h, 1)
-    cols = (dx + torch.arange(w, device=x.device)).view(b, 1, 1, w)
-    batch = torch.arange(b, device=x.device).view(b, 1, 1, 1)
-    chans = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
-    return xp[batch, chans, rows, cols]
+def crop_and_flip(x: torch.Tensor, pad: int, flip: bool, generator: torch.Generator
+                  ) -> torch.Tensor:
+    """Zero-pad by ``pad``, take a random HxW window per image and mirror half of them, as
+    one gather over the flattened padded images."""
+    b, c, h, w = x.shape
+    dev = x.device
+    xp = F.pad(x, (pad, pad, pad, pad)) if pad else x
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=dev, generator=generator)
+    cols = torch.arange(w, device=dev).expand(b, w)
+    if flip:
+        mirror = torch.rand(b, 1, device=dev, generator=generator) < 0.5
+        cols = torch.where(mirror, cols.flip(1), cols)
+    rows = dy + torch.arange(h, device=dev)
+    index = (rows.view(b, h, 1) * (w + 2 * pad) + (dx + cols).view(b, 1, w)).view(b, 1, h * w)
+    return xp.reshape(b, c, -1).gather(2, index.expand(b, c, h * w)).view(b, c, h, w)

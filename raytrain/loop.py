@@ -204,6 +204,7 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
     gen = torch.Generator(device=device).manual_seed(
         (cfg.run.seed * 1_000_003 + epoch) * 4099 + worker.rank)
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n
+    count = 0
     first_bad = torch.tensor(steps + 1, device=device)  # 1-based step of the first NaN loss
     first_step_at = 0.0
     skip = cfg.optim.nan_policy == "skip"
@@ -213,8 +214,9 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
         x, y = aug(data.train_x[idx], gen), data.train_y[idx]
         loss, correct, finite = train_step(ddp, x, y, optimizer, scaler, amp_dtype, skip)
         scheduler.step()
-        sums += torch.stack([loss.detach().double() * len(y), correct.double(),
-                             torch.tensor(len(y), dtype=torch.float64, device=device)])
+        # Sums stay on the device (no per-step sync); the count is plain Python.
+        sums[:2] += torch.stack([loss.detach().double() * len(y), correct.double()])
+        count += len(y)
         first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
         if worker.master and cfg.run.log_every and (i + 1) % cfg.run.log_every == 0:
             log_line(cfg, f"[epoch {epoch}, batch {i + 1:5d}/{steps}] loss: {loss.item():.3f}")
@@ -223,6 +225,7 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
             first_step_at = time.time()
     _sync(device)
     seconds = time.perf_counter() - start
+    sums[2] = count
     all_reduce(sums)
     all_reduce(first_bad, op=dist.ReduceOp.MIN)
     bad = int(first_bad.item())
@@ -267,9 +270,9 @@ def evaluate(model: nn.Module, data: Dataset, aug: Augment, amp_dtype, worker: W
                             enabled=amp_dtype is not None):
             logits = model(aug(data.test_x[idx]))
         y = data.test_y[idx]
-        sums += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                             (logits.argmax(1) == y).sum().double(),
-                             torch.tensor(len(y), dtype=torch.float64, device=worker.device)])
+        sums[:2] += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                                 (logits.argmax(1) == y).sum().double()])
+    sums[2] = len(shard)
     all_reduce(sums)
     model.train()
     return sums.tolist()
@@ -302,7 +305,7 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: list[float], optimize
 def log_line(cfg: TrainConfig, text: str) -> None:
     """A rank-0 progress line: to the run's events.jsonl, which the driver prints (Ray's own
     worker output is not forwarded unless --verbose), else to stdout."""
-    if "://" in cfg.run.storage_path or not os.path.isdir(cfg.run_dir):
+    if not os.path.isdir(cfg.run_dir):  # a node that does not see the run directory
         print(text, flush=True)
         return
     from raytrain.report import append_event

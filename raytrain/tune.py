@@ -52,6 +52,7 @@ METRIC, MODE = "test_acc", "max"
 # whole: with {"CPU": 0.01}, two 1-CPU trials on 2 CPUs would need 2.02 and one would stall.
 TRIAL_RESOURCES = {"CPU": 0, "memory": 1}
 SOURCE_FILE = "source.json"
+PG_FILE = "placement_groups.jsonl"
 # Settings a resumed search may change (they do not change what the trials train).
 NOT_SEARCH = launch.NOT_TRAINING - {"num_workers", "cpus_per_worker"} | {
     "max_concurrent_trials"}
@@ -110,7 +111,8 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         tuner = tune.Tuner(trainable, param_space=space,
                            tune_config=tune_config(cfg, concurrent),
                            run_config=run_config(cfg))
-    grid = tuner.fit()
+    with PlacementGroupReaper(os.path.join(exp_dir, "trials")):
+        grid = tuner.fit()
     summary = summarize(cfg, grid, time.time() - started_at)
     unfinished = [t.trial_id for t in _trials(grid) if t.status not in ("TERMINATED", "ERROR")]
     if unfinished:
@@ -203,7 +205,8 @@ def tune_config(cfg: TrainConfig, concurrent: int):
     else:
         from ray.tune.search.basic_variant import BasicVariantGenerator
 
-        search = BasicVariantGenerator(random_state=cfg.run.seed)
+        # A searcher passed in ignores TuneConfig's limit; this one takes its own.
+        search = BasicVariantGenerator(random_state=cfg.run.seed, max_concurrent=concurrent)
     return tune.TuneConfig(metric=METRIC, mode=MODE, scheduler=scheduler(cfg),
                            search_alg=search, num_samples=t.num_samples,
                            max_concurrent_trials=concurrent, reuse_actors=False,
@@ -234,13 +237,12 @@ def scheduler(cfg: TrainConfig):
 def run_config(cfg: TrainConfig):
     from ray import tune
 
-    pbt = cfg.tune.scheduler == "pbt"
     return tune.RunConfig(
         name=cfg.run.name, storage_path=cfg.run.storage_path,
         # A failed trial is recorded and the search goes on; it is not retried.
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-        # PBT restores trials from these; a copy per perturbation interval, the last 4 kept.
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=4 if pbt else None),
+        # PBT restores trials from these (one copy per perturbation interval, all kept: with
+        # num_to_keep, Tune 2.60 deletes checkpoints of exploited trials it no longer finds).
         callbacks=[Progress(cfg.run_dir, cfg.optim.epochs)], verbose=1 if cfg.run.verbose else 0)
 
 
@@ -286,8 +288,9 @@ class Progress(_progress_base()):
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         r = trial.last_result or {}
-        if "error" in r:
-            return  # the trial raises next; on_trial_error says it
+        if "error" in r:  # the scheduler stopped it on its NaN epoch, before it could raise
+            print(f"trial {trial.trial_id} failed: {r['error']}", flush=True)
+            return
         epoch = r.get("epoch", 0)
         how = "finished" if epoch >= self.epochs else "stopped early"
         acc = f", test_acc {r[METRIC]:.4f}" if METRIC in r else ""
@@ -319,7 +322,8 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool) -> No
     pbt = base["scheduler"] == "pbt"
     forward = ForwardReports() if pbt else None
     trainer = launch.build_trainer(cfg, use_gpu, callbacks=[
-        launch.RunFiles(trial_dir), forward or TuneReportCallback()])
+        launch.RunFiles(trial_dir), forward or TuneReportCallback(),
+        RecordPlacementGroup(os.path.join(trial_dir, PG_FILE))])
     if start:
         state_dir = prepare_start(start, cfg, trial_dir)
         trainer.train_loop_per_worker = StartFrom(state_dir)
@@ -514,6 +518,93 @@ def report_to_tune(metrics: dict[str, Any], ckpt, trial_id: str, segment: str) -
         ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(directory))
 
 
+# ---------------------------------------------------------------------------- placement groups
+
+
+def _worker_group_callback_base():
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    return WorkerGroupCallback
+
+
+class RecordPlacementGroup(_worker_group_callback_base()):
+    """Train-controller callback: notes each worker group's placement group and the controller
+    that owns it (a line of ``placement_groups.jsonl``) for ``PlacementGroupReaper``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def after_worker_group_start(self, worker_group) -> None:
+        import ray
+
+        handle = worker_group.get_worker_group_state().placement_group_handle
+        _append_jsonl(self.path, {"pg": handle.placement_group.id.hex(),
+                                  "controller": ray.get_runtime_context().get_actor_id()})
+
+
+class PlacementGroupReaper:
+    """Driver thread: removes a Train run's worker placement group once its controller is dead.
+
+    Tune ends a trial (early stop, PBT pause or exploit) by ending the trial's process; the
+    Train controller it owns dies with it and never removes its workers' placement group. Ray
+    2.60's PlacementGroupCleaner should, but its state-API query fails when several Ray
+    clusters run on one machine ("Found multiple active Ray instances"), and the leaked CPUs
+    stall every later trial (seen here: 60 s worker-group timeouts; Ray issue #54305).
+    """
+
+    def __init__(self, trials_dir: str, interval_s: float = 1.0):
+        self.trials_dir, self.interval_s = trials_dir, interval_s
+        self.done: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-pg-reaper",
+                                        daemon=True)
+
+    def __enter__(self) -> "PlacementGroupReaper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next tick
+                pass
+
+    def sweep(self) -> int:
+        """Remove every recorded placement group whose controller is dead; returns how many."""
+        import ray
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        removed = 0
+        if not os.path.isdir(self.trials_dir):
+            return 0
+        for trial in os.listdir(self.trials_dir):
+            for rec in report.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE)):
+                if rec["pg"] in self.done:
+                    continue
+                pg = PlacementGroup(PlacementGroupID(bytes.fromhex(rec["pg"])))
+                if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                    self.done.add(rec["pg"])
+                elif _actor_dead(rec["controller"]):
+                    remove_placement_group(pg)
+                    self.done.add(rec["pg"])
+                    removed += 1
+        return removed
+
+
+def _actor_dead(actor_id: str) -> bool:
+    # The GCS actor table (no dashboard/state API needed, unlike ray.util.state.get_actor).
+    from ray._private import state
+
+    info = state.actors(actor_id=actor_id)
+    return bool(info) and info.get("State") == "DEAD"
+
+
 # ---------------------------------------------------------------------------- results
 
 
@@ -541,7 +632,9 @@ def trial_row(cfg: TrainConfig, trial, result) -> dict[str, Any]:
     n_reports = 0 if reports is None or "epoch" not in reports else int(
         reports["epoch"].notna().sum())
     error = ""
-    if trial.status == "ERROR" or (rows and "error" in rows[-1]):
+    if rows and "error" in rows[-1]:  # the loop's NaN stop
+        status, error = "failed", rows[-1]["error"]
+    elif trial.status == "ERROR":
         status, error = "failed", trial_error(trial.trial_id, cfg.run_dir, result.error)
     elif rows and rows[-1]["epoch"] >= cfg.optim.epochs:
         status = "completed"

@@ -78,6 +78,7 @@ def _bad_inputs(tmp):
         (["--config", str(unknown)], "learning_rate (in unknown.yaml)"),
         (["--config", str(bad_lr_yaml)], "lr (in badlr.yaml)"),
         (["--epochs", "2.5"], "--epochs"),
+        (["--storage-path", "s3://bucket/runs"], "--storage-path"),
         (["--no-such-flag"], "unrecognized arguments"),
     ] + ([] if os.geteuid() == 0 else [
         (["--storage-path", str(readonly / "runs"), "--dataset", "digits"], "--storage-path")])

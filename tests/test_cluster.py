@@ -316,7 +316,7 @@ def test_storage_check_refuses_a_local_path_on_two_hosts(two_nodes):
         check_storage_for_multinode("/x/runs", nodes, shared=False)
     assert str(err.value) == (
         "--storage-path /x/runs: node-local disk, but the workers may run on 3 nodes on 2 hosts; "
-        "use shared storage (s3://..., an NFS mount) or pass --shared-storage if this path is "
+        "use shared storage (an EFS/NFS mount) or pass --shared-storage if this path is "
         "shared")
     with pytest.raises(RaytrainError):
         check_storage_for_multinode("file:///x/runs", nodes, shared=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from raytrain.config import ConfigError
-from raytrain.data import (Augment, batches, epoch_shard, eval_shard, load_dataset,
-                           random_crop, steps_per_epoch)
+from raytrain.data import (Augment, batches, crop_and_flip, epoch_shard, eval_shard,
+                           load_dataset, steps_per_epoch)
 from tests.conftest import write_tiny_cifar
 
 
@@ -44,21 +44,30 @@ def test_every_worker_takes_the_same_number_of_nonempty_steps(n, world, b):
         assert all(0 < len(p) <= b for p in parts)
 
 
-def test_random_crop_is_a_shifted_window_and_flip_mirrors():
-    x = torch.arange(2 * 1 * 4 * 4, dtype=torch.float32).view(2, 1, 4, 4) + 1
+def test_crop_and_flip_takes_padded_windows_and_mirrors_about_half():
     g = torch.Generator().manual_seed(0)
-    out = random_crop(x, 1, g)
-    assert out.shape == x.shape
-    padded = torch.nn.functional.pad(x, (1, 1, 1, 1))
-    for i in range(2):  # each output is some 4x4 window of the padded image
-        assert any(torch.equal(out[i, 0], padded[i, 0, dy:dy + 4, dx:dx + 4])
-                   for dy in range(3) for dx in range(3))
-    aug = Augment((0.0,), (1 / 255,), torch.device("cpu"), flip=True)
-    img = torch.randint(0, 255, (64, 1, 4, 4), dtype=torch.uint8)
-    flipped = aug(img, torch.Generator().manual_seed(1))
-    same = [torch.equal(flipped[i], img[i].float()) for i in range(64)]
-    mirrored = [torch.equal(flipped[i], img[i].float().flip(2)) for i in range(64)]
-    assert all(s or m for s, m in zip(same, mirrored)) and 10 < sum(mirrored) < 54
+    x = torch.randint(1, 255, (64, 3, 8, 8), dtype=torch.uint8)
+    out = crop_and_flip(x, 2, True, g)
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    mirrored = 0
+    for i in range(64):  # each output is a window of the padded image, maybe mirrored
+        windows = [padded[i, :, dy:dy + 8, dx:dx + 8] for dy in range(5) for dx in range(5)]
+        plain = any(torch.equal(out[i], win) for win in windows)
+        flipped = any(torch.equal(out[i], win.flip(2)) for win in windows)
+        assert plain or flipped
+        mirrored += flipped and not plain
+    assert 10 < mirrored < 54
+
+
+def test_augment_normalises_and_is_deterministic_per_generator():
+    aug = Augment((0.5,) * 3, (0.25,) * 3, torch.device("cpu"), crop_pad=4, flip=True)
+    x = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    plain = Augment((0.5,) * 3, (0.25,) * 3, torch.device("cpu"))(x)
+    assert torch.allclose(plain, (x.float() / 255 - 0.5) / 0.25, atol=1e-5)
+    a = aug(x, torch.Generator().manual_seed(3))
+    assert torch.equal(a, aug(x, torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, aug(x, torch.Generator().manual_seed(4)))
 
 
 def test_digits_split_is_fixed_stratified_80_20():
