@@ -139,8 +139,9 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         metrics = epoch_metrics(epoch, train, test, optimizer)
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
             metrics.update(first_step_at=train["first_step_at"], resumed_from=done)
-        save = worker.master and (epoch % cfg.run.checkpoint_every == 0
-                                  or epoch == o.epochs or "error" in metrics)
+        # Never checkpoint a diverged model: the latest checkpoint is what a rerun resumes.
+        save = worker.master and "error" not in metrics and (
+            epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
         state = checkpoint.training_state(model, optimizer, scheduler, scaler, epoch, step,
                                           cfg.to_flat()) if save else None
         report(metrics, state)

@@ -42,6 +42,7 @@ def test_nan_loss_stops_the_run_naming_epoch_and_step(ray_cluster, tmp_path, cap
     assert "loss became NaN/inf at epoch 1, step" in err and "--nan-policy skip" in err
     with open(tmp_path / "nan" / "metrics.jsonl") as f:
         assert [json.loads(line)["epoch"] for line in f] == [1]  # stopped, not retried
+    assert not list((tmp_path / "nan").glob("checkpoint_*"))  # no diverged checkpoint
 
 
 def test_nan_policy_skip_keeps_weights_finite(ray_cluster, tmp_path):
