@@ -134,7 +134,7 @@ class DataConfig:
 class OptimConfig:
     """How the network is trained. Learning rate and batch size are global."""
 
-    epochs: int = _opt(20, "passes over the training set")
+    epochs: int = _opt(30, "passes over the training set")
     batch_size: int = _opt(128, "GLOBAL batch: each worker gets batch_size // num_workers")
     lr: float = _opt(0.05, "peak learning rate, for the global batch")
     momentum: float = _opt(0.9, "SGD momentum (AdamW beta1)")
