@@ -106,15 +106,15 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)
         tuner = tune.Tuner.restore(exp_dir, trainable=trainable)
     else:
-        space = search_space(cfg)
-        print(f"tuning: {describe(cfg, space, concurrent)}", flush=True)
-        tuner = tune.Tuner(trainable, param_space=space,
+        print(f"tuning: {describe(cfg, concurrent)}", flush=True)
+        tuner = tune.Tuner(trainable, param_space=search_space(cfg),
                            tune_config=tune_config(cfg, concurrent),
                            run_config=run_config(cfg))
-    with PlacementGroupReaper(os.path.join(exp_dir, "trials")):
+    with PlacementGroupReaper(os.path.join(exp_dir, "trials")), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reuse_actors")  # PBT: we restart trials
         grid = tuner.fit()
     summary = summarize(cfg, grid, time.time() - started_at)
-    unfinished = [t.trial_id for t in _trials(grid) if t.status not in ("TERMINATED", "ERROR")]
+    unfinished = [r for r in summary.rows if r["status"] in ("pending", "running", "paused")]
     if unfinished:
         raise launch.Interrupted(f"search interrupted with {len(unfinished)} trial(s) "
                                  "unfinished; rerun the same command to resume it")
@@ -209,7 +209,8 @@ def tune_config(cfg: TrainConfig, concurrent: int):
         search = BasicVariantGenerator(random_state=cfg.run.seed, max_concurrent=concurrent)
     return tune.TuneConfig(metric=METRIC, mode=MODE, scheduler=scheduler(cfg),
                            search_alg=search, num_samples=t.num_samples,
-                           max_concurrent_trials=concurrent, reuse_actors=False,
+                           max_concurrent_trials=concurrent if t.search == "optuna" else None,
+                           reuse_actors=False,
                            trial_dirname_creator=_tune_dirname)
 
 
@@ -241,12 +242,13 @@ def run_config(cfg: TrainConfig):
         name=cfg.run.name, storage_path=cfg.run.storage_path,
         # A failed trial is recorded and the search goes on; it is not retried.
         failure_config=tune.FailureConfig(max_failures=0, fail_fast=False),
-        # PBT restores trials from these (one copy per perturbation interval, all kept: with
-        # num_to_keep, Tune 2.60 deletes checkpoints of exploited trials it no longer finds).
+        # Tune checkpoints (PBT only: one per perturbation interval) are all kept: with a
+        # num_to_keep, Tune 2.60 logged errors deleting checkpoints of exploited trials.
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
         callbacks=[Progress(cfg.run_dir, cfg.optim.epochs)], verbose=1 if cfg.run.verbose else 0)
 
 
-def describe(cfg: TrainConfig, space: dict[str, Any], concurrent: int) -> str:
+def describe(cfg: TrainConfig, concurrent: int) -> str:
     t = cfg.tune
     kind, values = t.lr_space()
     lr = (f"lr log-uniform in [{values[0]:g}, {values[1]:g}]" if kind == "range"
@@ -267,6 +269,18 @@ def _tune_dirname(trial) -> str:
 def _trials(grid) -> list:
     # ResultGrid has no public per-trial status; its ExperimentAnalysis has the Trials.
     return list(grid._experiment_analysis.trials)
+
+
+def saved_statuses(exp_dir: str) -> dict[str, str]:
+    """Trial statuses as Tune saved them. After Ctrl-C, Tune saves the experiment and then
+    marks every trial in memory TERMINATED; the saved state still says which were unfinished
+    (and a re-run resumes those)."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return {t.trial_id: t.status for t in ExperimentAnalysis(exp_dir).trials}
+    except Exception:  # noqa: BLE001 - no saved state: the in-memory statuses stand
+        return {}
 
 
 def _progress_base():
@@ -319,18 +333,21 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool) -> No
                                  "storage_path": trial_dir, "name": segment})
     report._atomic_write(os.path.join(trial_dir, "config.yaml"),
                          yaml.safe_dump(cfg.to_flat(), sort_keys=False))
-    pbt = base["scheduler"] == "pbt"
-    forward = ForwardReports() if pbt else None
-    trainer = launch.build_trainer(cfg, use_gpu, callbacks=[
-        launch.RunFiles(trial_dir), forward or TuneReportCallback(),
-        RecordPlacementGroup(os.path.join(trial_dir, PG_FILE))])
-    if start:
-        state_dir = prepare_start(start, cfg, trial_dir)
-        trainer.train_loop_per_worker = StartFrom(state_dir)
     _append_jsonl(os.path.join(trial_dir, "starts.jsonl"), {
         "segment": segment, "from_trial": start and start["trial_id"],
         "from_epoch": start and start["epoch"], "lr": cfg.optim.lr,
         "batch_size": cfg.optim.batch_size, "time": time.time()})
+    if start and start["epoch"] >= cfg.optim.epochs:  # PBT cloned a trial that had finished
+        metrics = {**start["metrics"], "cloned_from": start["trial_id"]}
+        report.record_epoch(trial_dir, metrics)
+        ray.tune.report(metrics)
+        return
+    forward = ForwardReports() if base["scheduler"] == "pbt" else None
+    trainer = launch.build_trainer(cfg, use_gpu, callbacks=[
+        launch.RunFiles(trial_dir), forward or TuneReportCallback(),
+        RecordPlacementGroup(os.path.join(trial_dir, PG_FILE))])
+    if start:
+        trainer.train_loop_per_worker = StartFrom(prepare_start(start, cfg, trial_dir))
     try:
         if forward:
             fit_forwarding(trainer, forward, trial_id, segment, base["perturbation_interval"],
@@ -368,7 +385,6 @@ def starting_point(tune_ckpt, trial_id: str) -> dict[str, Any] | None:
             source = json.load(f)
         source["tune_checkpoint"] = tune_ckpt
     source["segment"] = f"from-{source['trial_id']}-e{source['epoch']:04d}"
-    source["exploit"] = source["trial_id"] != trial_id
     return source
 
 
@@ -420,33 +436,29 @@ def retarget(state: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
 class StartFrom:
     """Train worker function of a run that starts from a given training state (PBT).
 
-    Train V2 has no ``resume_from_checkpoint``: this is ``loop.train_loop_per_worker`` with that
-    state as the checkpoint to resume from, unless the run has a checkpoint of its own (its
-    workers were restarted, or the search resumed), which is newer.
+    Train V2 has no ``resume_from_checkpoint``. This runs ``loop.train_loop_per_worker``, which
+    resumes from ``ray.train.get_checkpoint()``, with that call answering the given state until
+    the run has a checkpoint of its own (after a worker-group restart, or when the search
+    resumes), which is newer. Patching the call, in this worker process only, keeps one worker
+    entry point instead of a copy of it.
     """
 
     def __init__(self, state_dir: str):
         self.state_dir = state_dir
 
     def __call__(self, config: dict[str, Any]) -> None:
-        import logging
-
         import ray.train
-        import ray.train.torch
 
         from raytrain import loop
 
         if ray.train.get_checkpoint() is not None:
             return loop.train_loop_per_worker(config)
-        cfg = TrainConfig.from_flat(config)
-        if not cfg.run.verbose:
-            from ray.train.v2._internal.execution import context as train_context
-
-            logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-        ctx = ray.train.get_context()
-        worker = loop.Worker(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(),
-                             ray.train.torch.get_device())
-        loop.run_worker(cfg, worker, loop._ray_report, checkpoint.load_state(self.state_dir))
+        own, start = ray.train.get_checkpoint, ray.train.Checkpoint(self.state_dir)
+        ray.train.get_checkpoint = lambda: start
+        try:
+            loop.train_loop_per_worker(config)
+        finally:
+            ray.train.get_checkpoint = own
 
 
 def _user_callback_base():
@@ -494,7 +506,9 @@ def fit_forwarding(trainer, forward: ForwardReports, trial_id: str, segment: str
             if alive:
                 continue
             break
-        # A copy per perturbation interval: PBT saves and exploits at those epochs.
+        if ckpt is not None:
+            metrics = {**metrics, "checkpoint_path": ckpt.path}  # as TuneReportCallback does
+        # A Tune copy per perturbation interval: PBT saves and exploits at those epochs.
         keep = ckpt is not None and "error" not in metrics and (
             metrics["epoch"] % every == 0 or metrics["epoch"] == epochs)
         report_to_tune(metrics, ckpt if keep else None, trial_id, segment)
@@ -508,13 +522,12 @@ def report_to_tune(metrics: dict[str, Any], ckpt, trial_id: str, segment: str) -
     if ckpt is None:
         ray.tune.report(metrics)
         return
-    metrics = {**metrics, "checkpoint_path": ckpt.path}
     with tempfile.TemporaryDirectory(prefix="raytrain-tune-ckpt-") as directory:
         with ckpt.as_directory() as train_dir:
             shutil.copy2(os.path.join(train_dir, checkpoint.STATE_FILE), directory)
         with open(os.path.join(directory, SOURCE_FILE), "w") as f:
             json.dump({"trial_id": trial_id, "epoch": metrics["epoch"], "segment": segment,
-                       "train_checkpoint": ckpt.path}, f)
+                       "train_checkpoint": ckpt.path, "metrics": metrics}, f)
         ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(directory))
 
 
@@ -566,6 +579,25 @@ class PlacementGroupReaper:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        # Trials stopped last (ASHA at the final epoch) may still be dying: wait for them.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                self.sweep()
+                if not self.pending():
+                    return
+            except Exception:  # noqa: BLE001 - e.g. Ray shut down under us (Ctrl-C)
+                return
+            time.sleep(0.5)
+
+    def records(self) -> list[dict[str, str]]:
+        if not os.path.isdir(self.trials_dir):
+            return []
+        return [rec for trial in sorted(os.listdir(self.trials_dir))
+                for rec in report.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE))]
+
+    def pending(self) -> list[str]:
+        return [rec["pg"] for rec in self.records() if rec["pg"] not in self.done]
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -581,19 +613,16 @@ class PlacementGroupReaper:
         from ray.util.placement_group import PlacementGroup, remove_placement_group
 
         removed = 0
-        if not os.path.isdir(self.trials_dir):
-            return 0
-        for trial in os.listdir(self.trials_dir):
-            for rec in report.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE)):
-                if rec["pg"] in self.done:
-                    continue
-                pg = PlacementGroup(PlacementGroupID(bytes.fromhex(rec["pg"])))
-                if ray.util.placement_group_table(pg).get("state") == "REMOVED":
-                    self.done.add(rec["pg"])
-                elif _actor_dead(rec["controller"]):
-                    remove_placement_group(pg)
-                    self.done.add(rec["pg"])
-                    removed += 1
+        for rec in self.records():
+            if rec["pg"] in self.done:
+                continue
+            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(rec["pg"])))
+            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                self.done.add(rec["pg"])
+            elif _actor_dead(rec["controller"]):
+                remove_placement_group(pg)
+                self.done.add(rec["pg"])
+                removed += 1
         return removed
 
 
@@ -611,7 +640,9 @@ def _actor_dead(actor_id: str) -> bool:
 def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
     """results.csv, tune.png and the best trial's model.pt from a finished (or stopped) search."""
     exp_dir = cfg.run_dir
-    rows = [trial_row(cfg, trial, result) for trial, result in zip(_trials(grid), grid)]
+    saved = saved_statuses(exp_dir)
+    rows = [trial_row(cfg, trial, result, saved.get(trial.trial_id, trial.status))
+            for trial, result in zip(_trials(grid), grid)]
     rows.sort(key=lambda r: r["trial_id"])
     write_csv(os.path.join(exp_dir, "results.csv"), rows)
     summary = TuneSummary(exp_dir, rows, cfg.optim.epochs, cfg.cluster.max_workers, wall_s,
@@ -625,23 +656,25 @@ def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
     return summary
 
 
-def trial_row(cfg: TrainConfig, trial, result) -> dict[str, Any]:
+def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, Any]:
     trial_dir = os.path.join(cfg.run_dir, "trials", trial.trial_id)
     rows = report.read_metrics(trial_dir)
     reports = result.metrics_dataframe
     n_reports = 0 if reports is None or "epoch" not in reports else int(
         reports["epoch"].notna().sum())
+    if cfg.tune.scheduler != "pbt" and rows:  # Tune forgets reports from before a restore
+        n_reports = max(n_reports, rows[-1]["epoch"])
     error = ""
     if rows and "error" in rows[-1]:  # the loop's NaN stop
         status, error = "failed", rows[-1]["error"]
-    elif trial.status == "ERROR":
+    elif tune_status == "ERROR":
         status, error = "failed", trial_error(trial.trial_id, cfg.run_dir, result.error)
     elif rows and rows[-1]["epoch"] >= cfg.optim.epochs:
         status = "completed"
-    elif trial.status == "TERMINATED":
+    elif tune_status == "TERMINATED":
         status = "stopped"
     else:
-        status = trial.status.lower()  # pending / running / paused: an interrupted search
+        status = tune_status.lower()  # pending / running / paused: an interrupted search
     accs = [(r["test_acc"], r["epoch"]) for r in rows
             if isinstance(r.get("test_acc"), float) and math.isfinite(r["test_acc"])]
     best_acc, best_epoch = max(accs, default=("", ""))

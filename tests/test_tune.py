@@ -1,0 +1,298 @@
+"""The Tune layer on a real 2-CPU Ray cluster: ASHA stops weak trials, PBT exploits, a NaN trial
+fails alone, the search resumes; settings and PBT's optimizer re-targeting without Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+import yaml
+
+from raytrain import fit, tune as tuning
+from raytrain.config import ConfigError, TrainConfig
+from raytrain.models import SeedCNN
+
+DIGITS = ["--tune", "--num-workers", "1", "--dataset", "digits"]
+
+
+def _search(storage, name, *flags):
+    return fit.main(DIGITS + ["--storage-path", str(storage), "--name", name, *flags])
+
+
+def _results(exp_dir):
+    return {r["trial_id"]: r for r in tuning.read_results(str(exp_dir))}
+
+
+def _jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------------------- ASHA
+
+
+@pytest.fixture(scope="module")
+def asha(ray_cluster, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("tune")
+    started = time.monotonic()
+    rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--grace-period", "1",
+                 "--reduction-factor", "2")
+    return rc, storage, time.monotonic() - started
+
+
+def test_asha_search_stops_weak_trials_and_writes_results(asha, capsys):
+    rc, storage, _ = asha
+    assert rc == 0
+    rows = _results(storage / "asha")
+    assert len(rows) == 4
+    assert {r["status"] for r in rows.values()} <= {"completed", "stopped"}
+    stopped = [r for r in rows.values() if r["status"] == "stopped"]
+    assert stopped and all(int(r["epochs_run"]) < 4 for r in stopped)
+    assert any(r["status"] == "completed" and int(r["epochs_run"]) == 4 for r in rows.values())
+    best = [float(r["best_test_acc"]) for r in rows.values()]
+    assert max(best) > min(best)
+    assert len({(r["lr"], r["batch_size"]) for r in rows.values()}) == 4
+    assert os.path.getsize(storage / "asha" / "tune.png") > 10_000
+    for trial_id, r in rows.items():  # each trial: its own run dir, one metrics row per epoch
+        metrics = _jsonl(storage / "asha" / "trials" / trial_id / "metrics.jsonl")
+        assert [m["epoch"] for m in metrics] == list(range(1, int(r["last_epoch"]) + 1))
+        assert float(r["best_test_acc"]) == max(m["test_acc"] for m in metrics)
+
+
+def test_asha_best_trial_checkpoint_and_weights(asha):
+    _, storage, _ = asha
+    rows = _results(storage / "asha")
+    best = max(rows.values(), key=lambda r: float(r["best_test_acc"]))
+    assert best["checkpoint"].startswith(str(storage / "asha" / "trials" / best["trial_id"]))
+    assert os.path.exists(os.path.join(best["checkpoint"], "state.pt"))
+    SeedCNN(10).load_state_dict(torch.load(storage / "asha" / "model.pt", weights_only=True))
+
+
+def test_stopped_trials_give_their_cpus_back(asha):
+    """Tune ends a stopped trial's process; its workers' placement group must not leak."""
+    import ray
+
+    def held():
+        return [pg["bundles"] for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"]
+
+    deadline = time.monotonic() + 15  # Tune removes its own trial groups asynchronously
+    while held() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert held() == []
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
+def test_rerunning_the_command_resumes_the_finished_search(asha, capsys):
+    _, storage, _ = asha
+    before = _results(storage / "asha")
+    capsys.readouterr()
+    rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--grace-period", "1",
+                 "--reduction-factor", "2")
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "resuming the search" in out and "started" not in out  # nothing re-run
+    after = _results(storage / "asha")
+    assert after.keys() == before.keys()
+    assert [a["epochs_run"] for a in after.values()] == [b["epochs_run"] for b in before.values()]
+    assert "best: trial" in out
+
+
+def test_a_changed_search_in_the_same_directory_is_refused(asha, capsys):
+    _, storage, _ = asha
+    rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--lr-range", "0.1:1")
+    assert rc == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- failures, PBT
+
+
+def test_an_interrupted_search_resumes_where_it_stopped(ray_cluster, tmp_path, capsys):
+    """Ctrl-C after the first epoch; the same command then finishes the search, the started
+    trials continuing from their checkpoints (Tuner.restore + Train's own resume)."""
+    import signal
+    import threading
+
+    trials = tmp_path / "intr" / "trials"
+
+    def interrupt_after_first_epoch():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = list(trials.glob("*/metrics.jsonl")) if trials.exists() else []
+            # Only while Tune's handler is installed: a bare SIGINT would stop pytest.
+            if done and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    flags = ["--num-samples", "2", "--epochs", "3", "--scheduler", "none",
+             "--batch-sizes", "128"]
+    threading.Thread(target=interrupt_after_first_epoch, daemon=True).start()
+    assert _search(tmp_path, "intr", *flags) == 130
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    assert _search(tmp_path, "intr", *flags) == 0
+    rows = _results(tmp_path / "intr")
+    assert len(rows) == 2 and all(r["status"] == "completed" for r in rows.values())
+    restarted = [tid for tid in rows if len(_jsonl(trials / tid / "starts.jsonl")) == 2]
+    assert restarted
+    for tid in restarted:
+        metrics = _jsonl(trials / tid / "metrics.jsonl")
+        assert [m["epoch"] for m in metrics] == [1, 2, 3]
+        assert any(m.get("resumed_from", 0) >= 1 for m in metrics)  # not from scratch
+
+
+
+
+def test_a_nan_trial_fails_alone_and_is_reported(ray_cluster, tmp_path, capsys):
+    rc = _search(tmp_path, "nan", "--lr-range", "0.05,10000", "--batch-sizes", "64",
+                 "--num-samples", "1", "--epochs", "2", "--scheduler", "none")
+    out = capsys.readouterr().out
+    assert rc == 0
+    rows = sorted(_results(tmp_path / "nan").values(), key=lambda r: float(r["lr"]))
+    assert [r["status"] for r in rows] == ["completed", "failed"]
+    assert "NaN" in rows[1]["error"] and rows[0]["error"] == ""
+    assert f"trial {rows[1]['trial_id']} failed: loss became NaN" in out
+    assert f"best: trial {rows[0]['trial_id']}" in out
+
+
+def test_pbt_exploits_another_trials_checkpoint(ray_cluster, tmp_path):
+    """lr 0.0003 lags far behind lr 0.05: PBT copies the leader's checkpoint into it."""
+    rc = _search(tmp_path, "pbt", "--scheduler", "pbt", "--lr-range", "0.05,0.0003",
+                 "--batch-sizes", "64", "--num-samples", "1", "--epochs", "4",
+                 "--perturbation-interval", "1")
+    assert rc == 0
+    rows = _results(tmp_path / "pbt")
+    exploits = [(tid, s) for tid in rows
+                for s in _jsonl(tmp_path / "pbt" / "trials" / tid / "starts.jsonl")
+                if s["from_trial"] not in (None, tid)]
+    assert exploits, "no trial continued from another trial's checkpoint"
+    trial_id, start = exploits[0]  # (a later one may clone the leader's final epoch)
+    assert start["from_epoch"] < 4
+    assert start["from_trial"] in rows and start["from_trial"] in rows[trial_id]["started_from"]
+    # The new Train run resumed at the donor's epoch, from the donor's training state.
+    segment = tmp_path / "pbt" / "trials" / trial_id / start["segment"]
+    first = min(int(d.rsplit("_", 1)[1]) for d in os.listdir(segment)
+                if d.startswith("checkpoint_epoch_"))
+    assert first == start["from_epoch"] + 1
+    metrics = {m["epoch"]: m for m in _jsonl(tmp_path / "pbt" / "trials" / trial_id /
+                                              "metrics.jsonl")}
+    assert metrics[start["from_epoch"] + 1].get("resumed_from") == start["from_epoch"]
+
+
+# ---------------------------------------------------------------------------- without Ray
+
+
+def _cfg(**flat):
+    return TrainConfig.from_flat({"dataset": "digits", "num_workers": 1, **flat})
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("lr_range", "0.1:0.01", "LO < HI"),
+    ("lr_range", "1e-4:abc", "LO:HI"),
+    ("lr_range", "0.1,-1", "numbers > 0"),
+    ("batch_sizes", "32,0", "whole numbers >= 1"),
+    ("scheduler", "hyperband", "asha, pbt, none"),
+    ("search", "grid", "random, optuna"),
+    ("num_samples", 0, ">= 1"),
+    ("reduction_factor", 1, ">= 2"),
+    ("max_concurrent_trials", 0, ">= 1"),
+])
+def test_bad_tune_settings_name_the_flag(key, value, needle):
+    with pytest.raises(ConfigError) as err:
+        _cfg(tune=True, **{key: value})
+    assert str(err.value).startswith("--" + key.replace("_", "-")) and needle in str(err.value)
+
+
+def test_cross_section_checks():
+    with pytest.raises(ConfigError, match="--batch-sizes.*--num-workers"):
+        tuning.check(_cfg(tune=True, num_workers=2, batch_sizes="1,64"))
+    with pytest.raises(ConfigError, match="--grace-period.*--epochs"):
+        tuning.check(_cfg(tune=True, epochs=2, grace_period=3))
+    with pytest.raises(ConfigError, match="--perturbation-interval"):
+        tuning.check(_cfg(tune=True, epochs=2, scheduler="pbt", perturbation_interval=2))
+
+
+def test_optuna_missing_is_one_line_naming_search(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "optuna" else real(name, *a))
+    with pytest.raises(ConfigError) as err:
+        _cfg(tune=True, search="optuna")
+    assert str(err.value).startswith("--search: got 'optuna'")
+    assert "pip install 'raytrain[tune]'" in str(err.value) and "\n" not in str(err.value)
+    _cfg(tune=False, search="optuna")  # trials run with tune off: no check there
+
+
+def test_yaml_gives_the_space(tmp_path, capsys):
+    path = tmp_path / "tune.yaml"
+    path.write_text(yaml.safe_dump({"dataset": "digits", "num_workers": 1,
+                                    "tune": {"tune": True, "lr_range": [0.01, 0.1],
+                                             "batch_sizes": [32, 64], "scheduler": "none"}}))
+    assert fit.main(["--config", str(path), "--dry-run"]) == 0
+    flat = yaml.safe_load(capsys.readouterr().out.split("\n", 1)[1].split("\nworkers:")[0])
+    assert flat["lr_range"] == "0.01,0.1" and flat["batch_sizes"] == "32,64"
+    cfg = _cfg(tune=True, lr_range=[0.01, 0.1], batch_sizes=[32, 64])
+    assert cfg.tune.lr_space() == ("values", [0.01, 0.1])
+    space = tuning.search_space(cfg)
+    assert space["lr"] == {"grid_search": [0.01, 0.1]}
+
+
+def test_default_concurrency_is_what_the_cluster_can_place(ray_cluster):
+    assert tuning.placeable_trials(_cfg(num_workers=1), use_gpu=False) == 2
+    assert tuning.placeable_trials(_cfg(num_workers=2), use_gpu=False) == 1
+    assert tuning.placeable_trials(_cfg(num_workers=2, cpus_per_worker=2), use_gpu=False) == 1
+
+
+def test_optuna_searcher_is_built_when_installed():
+    pytest.importorskip("optuna")
+    cfg = _cfg(tune=True, search="optuna")
+    config = tuning.tune_config(cfg, concurrent=2)
+    assert type(config.search_alg).__name__ == "OptunaSearch"
+    assert tuning.search_space(_cfg(tune=True, search="optuna", lr_range="0.1,0.2"))["lr"] \
+        .categories == [0.1, 0.2]
+
+
+def test_retarget_remakes_optimizer_and_schedule_for_the_new_lr_and_batch():
+    """PBT's explore: the donor's state, continued with another lr and batch size, follows the
+    schedule the new config would have had at that epoch, and runs to the end without error."""
+    from raytrain import checkpoint
+    from raytrain.data import load_dataset, steps_per_epoch
+    from raytrain.loop import make_optimizer, make_scheduler
+
+    donor, new = _cfg(lr=0.05, batch_size=64, epochs=4), _cfg(lr=0.2, batch_size=32, epochs=4)
+    n = len(load_dataset("digits").train_y)
+    model = SeedCNN(10)
+    opt = make_optimizer(model, donor)
+    steps = steps_per_epoch(n, 1, 64)
+    sched = make_scheduler(opt, donor, steps * 4)
+    for _ in range(2 * steps):
+        opt.step()
+        sched.step()
+    state = checkpoint.training_state(model, opt, sched, None, 2, 2 * steps, donor.to_flat())
+    moved = tuning.retarget(state, new)
+
+    model2 = SeedCNN(10)
+    opt2 = make_optimizer(model2, new)
+    new_steps = steps_per_epoch(n, 1, 32)
+    sched2 = make_scheduler(opt2, new, new_steps * 4)
+    done, step = checkpoint.restore(moved, model2, opt2, sched2, None)
+    assert (done, step) == (2, 2 * new_steps)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 model2.state_dict().values()))
+    ref_opt = make_optimizer(SeedCNN(10), new)
+    ref = make_scheduler(ref_opt, new, new_steps * 4)
+    for _ in range(2 * new_steps):
+        ref_opt.step()
+        ref.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert opt2.param_groups[0]["max_lr"] == 0.2
+    for _ in range(2 * new_steps):  # the rest of the new schedule: no "stepped too far" error
+        opt2.step()
+        sched2.step()
+    assert tuning.retarget(state, donor) is state  # same lr and batch: untouched
