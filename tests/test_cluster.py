@@ -103,10 +103,10 @@ def test_every_node_installs_raytrain_and_starts_ray_with_token_auth(path):
     config = _prepared(path)
     mounts = config["file_mounts"]
     assert mounts["~/.ray/auth_token"] == "~/.ray/auth_token"
-    source = REPO / mounts["~/raytrain"]  # relative to the repo root, where `ray up` runs
+    source = REPO / mounts["~/raytrain-src"]  # relative to the repo root, where `ray up` runs
     assert 'name = "raytrain"' in (source / "pyproject.toml").read_text()
     for key in ("head_setup_commands", "worker_setup_commands"):  # setup_commands merged in
-        installs = [c for c in config[key] if "pip install" in c and "-e ~/raytrain" in c]
+        installs = [c for c in config[key] if "pip install" in c and "-e ~/raytrain-src" in c]
         assert installs, key
         assert f"ray[default,train,tune]=={ray.__version__}" in installs[0], (
             f"{path.name} pins another Ray than this one ({ray.__version__}): keep them equal")

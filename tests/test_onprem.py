@@ -44,7 +44,7 @@ The derived config (_derive) is the example with these changes only:
   python3 (same minor version as this venv's), `pip install --no-deps ray==<this Ray>` (real
   console scripts), then a .pth naming this venv's site-packages, so torch (5.5 GB with CUDA),
   torchvision and the rest are not downloaded again. The other setup commands are verbatim:
-  `pip install -U pip`, `pip install -e ~/raytrain "ray[default,train,tune]==..."` (installs
+  `pip install -U pip`, `pip install -e ~/raytrain-src "ray[default,train,tune]==..."` (installs
   raytrain from the copied repo; finds every dependency satisfied), the ~/.bashrc line.
 - head_start_ray_commands: the example's, with --port and --object-manager-port replaced and
   the other ports and a 200 MB object store added (a shared 2-core machine).
@@ -434,9 +434,9 @@ def test_ray_up_runs_raytrain_over_ssh_and_ray_down_stops_it(machine):
     assert up.returncode == 0, up.stdout[-5000:]
     assert "Ray runtime started" in up.stdout, up.stdout[-3000:]
     # file_mounts: the repo (minus .gitignore'd) and the token, owned by the node's user.
-    assert (home / "raytrain" / "pyproject.toml").read_bytes() == (REPO / "pyproject.toml"
+    assert (home / "raytrain-src" / "pyproject.toml").read_bytes() == (REPO / "pyproject.toml"
                                                                     ).read_bytes()
-    assert not (home / "raytrain" / ".venv").exists()
+    assert not (home / "raytrain-src" / ".venv").exists()
     assert (home / ".ray" / "auth_token").read_text() == token.read_text()
     assert (home / ".ray" / "auth_token").stat().st_mode & 0o777 == 0o600
     # Ray runs as the node user only, with the dashboard on the loopback.
@@ -447,13 +447,12 @@ def test_ray_up_runs_raytrain_over_ssh_and_ray_down_stops_it(machine):
     for _, pid in gcs + dashboard:
         assert psutil.Process(pid).uids().real == pw.pw_uid
 
-    # raytrain on the node is the copied repo, installed by the setup commands. (From /: in
-    # the home directory, ~/raytrain, the copied repo itself, would be imported instead, as a
-    # namespace package without raytrain.fit.)
-    where = launcher.exec("cd / && echo RAY-IS-A $(type -t ray) && python -c 'import raytrain, "
+    # raytrain on the node is the copied repo, installed by the setup commands; from the home
+    # directory too (the copy is ~/raytrain-src, so no ./raytrain shadows the package).
+    where = launcher.exec("cd ~ && echo RAY-IS-A $(type -t ray) && python -c 'import raytrain, "
                           "ray; print(\"WHERE\", raytrain.__file__, ray.__version__)'")
     assert where.returncode == 0, where.stdout[-3000:]
-    assert f"WHERE {home}/raytrain/raytrain/__init__.py {ray.__version__}" in where.stdout
+    assert f"WHERE {home}/raytrain-src/raytrain/__init__.py {ray.__version__}" in where.stdout
     # head_setup_commands: the `ray stop` of `ray down` goes through the worker-stopping
     # function (no workers here: one host).
     assert "RAY-IS-A function" in where.stdout, where.stdout[-2000:]
