@@ -63,20 +63,20 @@ def epoch_line(m: dict[str, Any], epochs: int, eta_s: float | None = None) -> st
             f"{m['images_per_s']:,.0f} img/s  {m['epoch_s']:.1f}s{eta}")
 
 
-class EpochPrinter:
-    """Prints epochs and worker failures as the run records them (the driver is blocked in
-    fit(); the Train controller, on the driver's node, writes the files)."""
+class Poller:
+    """Runs ``self.poll()`` every ``interval_s`` on a daemon thread while used as a context
+    (the driver is blocked in ``fit()`` meanwhile); polls once more on exit."""
 
-    def __init__(self, run_dir: str, epochs: int, out=sys.stdout):
-        self.run_dir, self.epochs, self.out = run_dir, epochs, out
-        self.seen = {_row_key(r) for r in read_metrics(run_dir)}
-        self.events = len(read_jsonl(os.path.join(run_dir, "events.jsonl")))
-        self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
+    interval_s = 0.5
+
+    def _start(self) -> None:
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "EpochPrinter":
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__,
+                                        daemon=True)
         self._thread.start()
+
+    def __enter__(self):
+        self._start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -85,8 +85,22 @@ class EpochPrinter:
         self.poll()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self.interval_s):
             self.poll()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class EpochPrinter(Poller):
+    """Prints epochs and worker failures as the run records them (the driver is blocked in
+    fit(); the Train controller, on the driver's node, writes the files)."""
+
+    def __init__(self, run_dir: str, epochs: int, out=sys.stdout):
+        self.run_dir, self.epochs, self.out = run_dir, epochs, out
+        self.seen = {_row_key(r) for r in read_metrics(run_dir)}
+        self.events = len(read_jsonl(os.path.join(run_dir, "events.jsonl")))
+        self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
 
     def poll(self) -> None:
         try:

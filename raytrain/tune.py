@@ -555,7 +555,7 @@ class RecordPlacementGroup(_worker_group_callback_base()):
                                   "controller": ray.get_runtime_context().get_actor_id()})
 
 
-class PlacementGroupReaper:
+class PlacementGroupReaper(report.Poller):
     """Driver thread: removes a Train run's worker placement group once its controller is dead.
 
     Tune ends a trial (early stop, PBT pause or exploit) by ending the trial's process; the
@@ -568,13 +568,6 @@ class PlacementGroupReaper:
     def __init__(self, trials_dir: str, interval_s: float = 1.0):
         self.trials_dir, self.interval_s = trials_dir, interval_s
         self.done: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="raytrain-pg-reaper",
-                                        daemon=True)
-
-    def __enter__(self) -> "PlacementGroupReaper":
-        self._thread.start()
-        return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -599,12 +592,11 @@ class PlacementGroupReaper:
     def pending(self) -> list[str]:
         return [rec["pg"] for rec in self.records() if rec["pg"] not in self.done]
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.sweep()
-            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next tick
-                pass
+    def poll(self) -> None:
+        try:
+            self.sweep()
+        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next tick
+            pass
 
     def sweep(self) -> int:
         """Remove every recorded placement group whose controller is dead; returns how many."""

@@ -6,6 +6,7 @@ import os
 import pickle
 
 import numpy as np
+import psutil
 import pytest
 
 
@@ -50,3 +51,19 @@ def write_tiny_cifar(root, n_per_batch: int = 20, n_test: int = 40, classes: int
     with open(os.path.join(folder, "batches.meta"), "wb") as f:
         pickle.dump({"label_names": [f"class{i}" for i in range(classes)]}, f)
     return folder
+
+
+def end_processes(procs: list[psutil.Process], grace_s: float = 10) -> None:
+    """SIGTERM, wait ``grace_s``, then SIGKILL what is left (processes a test started)."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)

@@ -32,6 +32,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from raytrain import launch
 from raytrain.cluster import check_storage_for_multinode
 from raytrain.config import RaytrainError
+from tests.conftest import end_processes
 
 REPO = Path(__file__).resolve().parents[1]
 AWS = REPO / "cluster.yaml"
@@ -221,26 +222,12 @@ class LocalCluster:
         return found
 
     def stop_session(self, session: int) -> None:
-        self._end([p for p in self._ours({session}) if os.getsid(p.pid) == session])
+        end_processes([p for p in self._ours({session}) if os.getsid(p.pid) == session])
 
     def stop(self) -> None:
-        self._end(self._ours(set(self.sessions)))
+        end_processes(self._ours(set(self.sessions)))
         shutil.rmtree(self.base, ignore_errors=True)
 
-    @staticmethod
-    def _end(procs: list[psutil.Process]) -> None:
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5)
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,8 @@ import pytest
 import ray
 import yaml
 
+from tests.conftest import end_processes
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "cluster-onprem.yaml"
 BIN = os.path.dirname(sys.executable)
@@ -153,19 +155,6 @@ def _user_processes(uid: int) -> list[psutil.Process]:
     return found
 
 
-def _end(procs: list[psutil.Process]) -> None:
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5)
 
 
 def _fresh_user() -> pwd.struct_passwd:
@@ -180,7 +169,7 @@ def _fresh_user() -> pwd.struct_passwd:
     leftover = _user_processes(pw.pw_uid)  # a crashed earlier run of this test (we hold LOCK)
     if leftover:
         _log(f"ending {len(leftover)} processes left by an earlier run as {USER}")
-        _end(leftover)
+        end_processes(leftover)
     home = Path(pw.pw_dir)
     for name in os.listdir(home):
         if name != ".cache":
@@ -269,7 +258,7 @@ class Sshd:
             return []
 
     def stop(self) -> None:
-        _end(self.processes())
+        end_processes(self.processes())
         self.proc.wait(timeout=10)
         self.log.close()
 
@@ -387,10 +376,10 @@ def machine():
             left = _user_processes(pw.pw_uid)
             if left:
                 _log(f"cleanup: ending {len(left)} processes of {USER}")
-                _end(left)
+                end_processes(left)
             if sshd:
                 sshd.stop()
-            _end(_launcher_processes(base))
+            end_processes(_launcher_processes(base))
             shutil.rmtree(base, ignore_errors=True)
 
 
