@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from raytrain import checkpoint, report
-from raytrain.config import RaytrainError, TrainConfig
+from raytrain.cluster import check_storage_for_multinode
+from raytrain.config import FIELDS, RaytrainError, TrainConfig
 
 # Settings that do not change what is trained: a run may be resumed with other values.
 NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
@@ -181,8 +182,6 @@ def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
     with a visible message; an impossible request fails at once either way."""
     import ray
 
-    from raytrain.cluster import check_storage_for_multinode
-
     c = cfg.cluster
     need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
     groups = autoscaling_groups()
@@ -265,8 +264,9 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False)
     if os.path.exists(saved_path):
         with open(saved_path) as f:
             saved = yaml.safe_load(f) or {}
-        changed = sorted(k for k, v in cfg.to_flat().items()
-                         if k not in NOT_TRAINING and saved.get(k) != v)
+        changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
+                         if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
+                         and saved.get(k) != v)
         if changed and not resume:
             diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
             raise RaytrainError(f"--name {cfg.run.name}: {run_dir} holds a run with another "
