@@ -161,25 +161,32 @@ def test_a_nan_trial_fails_alone_and_is_reported(ray_cluster, tmp_path, capsys):
 
 def test_pbt_exploits_another_trials_checkpoint(ray_cluster, tmp_path):
     """lr 0.0003 lags far behind lr 0.05: PBT copies the leader's checkpoint into it."""
-    rc = _search(tmp_path, "pbt", "--scheduler", "pbt", "--lr-range", "0.05,0.0003",
-                 "--batch-sizes", "64", "--num-samples", "1", "--epochs", "5",
-                 "--perturbation-interval", "1")
-    assert rc == 0
-    rows = _results(tmp_path / "pbt")
-    exploits = [(tid, s) for tid in rows
-                for s in _jsonl(tmp_path / "pbt" / "trials" / tid / "starts.jsonl")
-                if s["from_trial"] not in (None, tid)]
-    assert exploits, "no trial continued from another trial's checkpoint"
+    # Whether PBT gets to exploit depends on how Tune happens to schedule the two trials on
+    # 2 shared CPUs (seen: CI runs with none), so a search without one is run again, twice at
+    # most; each search must finish cleanly.
+    for attempt in range(3):
+        name = f"pbt{attempt}"
+        rc = _search(tmp_path, name, "--scheduler", "pbt", "--lr-range", "0.05,0.0003",
+                     "--batch-sizes", "64", "--num-samples", "1", "--epochs", "5",
+                     "--perturbation-interval", "1")
+        assert rc == 0
+        rows = _results(tmp_path / name)
+        exploits = [(tid, s) for tid in rows
+                    for s in _jsonl(tmp_path / name / "trials" / tid / "starts.jsonl")
+                    if s["from_trial"] not in (None, tid)]
+        if exploits:
+            break
+    assert exploits, "no trial continued from another trial's checkpoint in 3 searches"
     trial_id, start = min(exploits, key=lambda e: e[1]["from_epoch"])
     assert start["from_trial"] in rows and start["from_trial"] in rows[trial_id]["started_from"]
     # The new Train run started from the donor's training state at that epoch...
-    state = checkpoint.load_state(str(tmp_path / "pbt" / "trials" / trial_id / "starts" /
+    state = checkpoint.load_state(str(tmp_path / name / "trials" / trial_id / "starts" /
                                       start["segment"]))
     assert state["epoch"] == start["from_epoch"]
     # ...and resumed there: its first epoch is the next one. (When the trials ran one after the
     # other, PBT can only clone the leader's final epoch, which leaves nothing to train.)
     if start["from_epoch"] < 5:
-        metrics = {m["epoch"]: m for m in _jsonl(tmp_path / "pbt" / "trials" / trial_id /
+        metrics = {m["epoch"]: m for m in _jsonl(tmp_path / name / "trials" / trial_id /
                                                   "metrics.jsonl")}
         assert metrics[start["from_epoch"] + 1].get("resumed_from") == start["from_epoch"]
 
