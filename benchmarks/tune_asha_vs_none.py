@@ -3,6 +3,7 @@
     python benchmarks/tune_asha_vs_none.py                 # digits, 8 trials, 20 epochs, 1 worker
     python benchmarks/tune_asha_vs_none.py --seeds 0,1,2   # three samples of 8 configs
     python benchmarks/tune_asha_vs_none.py --epochs 10 --num-samples 4
+    python benchmarks/tune_asha_vs_none.py --seeds 0,1,2,3 --out-dir D --reuse   # re-read D
 
 Runs the same command twice, as a user would, each on its own new local Ray cluster:
 
@@ -40,6 +41,10 @@ def run_search(scheduler: str, seed: int, args, storage: str) -> dict:
         if getattr(args, flag) is not None:
             cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     print("$ " + " ".join(cmd[1:]), flush=True)
+    results = os.path.join(storage, name, "results.csv")
+    if args.reuse and os.path.exists(results):  # this search already ran into --out-dir
+        print(f"  (reusing {results})", flush=True)
+        return summarize_search(scheduler, seed, args, results, wall=float("nan"))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a new local cluster
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -48,7 +53,11 @@ def run_search(scheduler: str, seed: int, args, storage: str) -> dict:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.exit(f"{name}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
-    with open(os.path.join(storage, name, "results.csv"), newline="") as f:
+    return summarize_search(scheduler, seed, args, results, wall)
+
+
+def summarize_search(scheduler: str, seed: int, args, results: str, wall: float) -> dict:
+    with open(results, newline="") as f:
         rows = list(csv.DictReader(f))
     done = [r for r in rows if r["best_test_acc"]]
     best = max(done, key=lambda r: float(r["best_test_acc"]))
@@ -88,6 +97,8 @@ def main() -> None:
     p.add_argument("--reduction-factor", type=int, help="ASHA (default: raytrain's)")
     p.add_argument("--seeds", default="0", help="comma-separated; one asha/none pair each")
     p.add_argument("--out-dir", help="keep the searches here (default: a temp dir)")
+    p.add_argument("--reuse", action="store_true", help="read a search already in --out-dir "
+                   "(same name) instead of running it again")
     args = p.parse_args()
     storage = args.out_dir or tempfile.mkdtemp(prefix="raytrain-tune-bench-")
     os.makedirs(storage, exist_ok=True)

@@ -198,6 +198,35 @@ def _cfg(**flat):
     return TrainConfig.from_flat({"dataset": "digits", "num_workers": 1, **flat})
 
 
+def _race(scheduler, epochs=4):
+    """Two trials through ``scheduler`` the way Tune feeds it: "slow" reaches every rung first
+    and never learns; "fast" arrives second and does. Returns the decisions per epoch."""
+    from ray.tune.experiment import Trial
+
+    slow, fast = (Trial("run_trial", trial_id=i, stub=True) for i in ("slow", "fast"))
+    for trial in (slow, fast):
+        scheduler.on_trial_add(None, trial)
+    decisions = []
+    for epoch in range(1, epochs + 1):
+        decisions.append((scheduler.on_trial_result(None, slow, {"epoch": epoch,
+                                                                 "test_loss": 2.30}),
+                          scheduler.on_trial_result(None, fast, {"epoch": epoch,
+                                                                 "test_loss": 2.0 / epoch})))
+    return decisions
+
+
+def test_asha_late_check_stops_a_trial_that_won_the_race_to_a_rung():
+    from ray.tune.schedulers import ASHAScheduler
+
+    kwargs = dict(time_attr="epoch", metric="test_loss", mode="min", max_t=8, grace_period=1,
+                  reduction_factor=2)
+    plain = _race(ASHAScheduler(**kwargs))
+    assert all(d == ("CONTINUE", "CONTINUE") for d in plain)  # first at each rung: goes on
+    ours = _race(tuning.scheduler(_cfg(tune=True, epochs=8)))
+    assert ours[0] == ("CONTINUE", "CONTINUE")  # alone at rung 1 when it got there
+    assert ours[1] == ("STOP", "CONTINUE")  # then below the cutoff of rung 1: stopped
+
+
 @pytest.mark.parametrize("key,value,needle", [
     ("lr_range", "0.1:0.01", "LO < HI"),
     ("lr_range", "1e-4:abc", "LO:HI"),
