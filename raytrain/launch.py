@@ -4,11 +4,13 @@ turn its result into run files and a summary.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
 import sys
 import time
+import zipfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,11 +171,44 @@ def autoscaling_groups() -> list[dict]:
     try:
         config = ray._private.state.state.get_cluster_config()
     except Exception:  # an older GCS without the autoscaler state namespace
+        config = None
+    if config is not None:
+        return [{"resources": dict(g.resources), "max_count": g.max_count}
+                for g in config.node_group_configs if g.max_count != 0]
+    # Ray 2.60 never writes that GCS key (no code of it calls its ReportClusterConfig client;
+    # get_cluster_config() is None under both autoscalers on a `ray up` cluster). Its
+    # autoscaler reads the config `ray up` leaves on the head, and so does raytrain when it
+    # runs there (a `ray job submit` job, `ray attach`); elsewhere it cannot know.
+    return bootstrap_groups(os.path.expanduser(BOOTSTRAP_CONFIG))
+
+
+# Written by `ray up` (autoscaler/_private/commands.py, as JSON) with every node type's
+# max_workers filled in and, on AWS, its resources looked up; the head's autoscaler reads it.
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
+
+
+def bootstrap_groups(path: str) -> list[dict]:
+    """The node types of a `ray up` config that can add nodes; [] for a missing or broken file.
+
+    A type with no resources is left out: Ray detects them when its node starts, so nobody
+    knows what it would add (the `local` provider's one type, whose max_workers is the listed
+    machines: they are all kept up anyway, there is nothing to ask for)."""
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+        cap = config.get("max_workers", float("inf"))  # worker nodes of all types together
+        groups = []
+        for name, node_type in config["available_node_types"].items():
+            # Ray's defaults (fill_node_type_min_max_workers): 0 for the head's type, else cap
+            n = min(node_type.get("max_workers", 0 if name == config.get("head_node_type")
+                                  else cap), cap)
+            if n > 0 and node_type.get("resources"):
+                groups.append({"resources": {k: float(v) for k, v in
+                                             node_type["resources"].items()},
+                               "max_count": -1 if n == float("inf") else int(n)})
+        return groups
+    except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError, ValueError):
         return []
-    if config is None:
-        return []
-    return [{"resources": dict(g.resources), "max_count": g.max_count}
-            for g in config.node_group_configs if g.max_count != 0]
 
 
 def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
@@ -198,9 +233,10 @@ def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
         placeable = sum(_fits(n["Resources"], need) for n in alive)
         if placeable >= c.min_workers:
             break
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             _clear_request(requested)
-            raise RaytrainError(_no_room(c, need, use_gpu, placeable, len(alive), can_grow))
+            raise RaytrainError(_no_room(c, need, use_gpu, placeable, len(alive), patient))
         if can_grow and not requested:
             from ray.autoscaler.sdk import request_resources
 
@@ -209,7 +245,7 @@ def preflight(cfg: TrainConfig, use_gpu: bool) -> None:
         print(f"waiting for resources: room for {placeable}/{c.min_workers} workers"
               + (" (autoscaler asked for more nodes)" if requested else "")
               + f"; --wait-timeout {c.wait_timeout:g}s", flush=True)
-        time.sleep(5)
+        time.sleep(min(5.0, left))
     _clear_request(requested)  # the workers' placement group now holds what they need
     check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
 
@@ -222,15 +258,15 @@ def _clear_request(requested: bool) -> None:
 
 
 def _no_room(c, need: dict[str, float], use_gpu: bool, placeable: int, n_nodes: int,
-             can_grow: bool) -> str:
+             waited: bool) -> str:
     import ray
 
     total = ray.cluster_resources()
     has = f"{total.get('CPU', 0):g} CPUs, {total.get('GPU', 0):g} GPUs in {n_nodes} node(s)"
     asked = " + ".join(f"{v:g} {k}" for k, v in need.items())
-    waited = f" after waiting {c.wait_timeout:g}s" if can_grow else ""
+    after = f" after waiting {c.wait_timeout:g}s" if waited else ""
     return (f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; the "
-            f"cluster has {has}, room for {placeable}{waited}. Lower --num-workers/"
+            f"cluster has {has}, room for {placeable}{after}. Lower --num-workers/"
             "--cpus-per-worker" + (", drop --use-gpu" if use_gpu else "") + ", or add nodes")
 
 
@@ -279,8 +315,11 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False)
 
 
 def latest_checkpoint_epoch(run_dir: str) -> int:
+    """The newest epoch with a complete checkpoint: a copy cut short (a killed run) has no
+    state file or a truncated one (torch.save writes a zip; its directory comes last)."""
     epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
-              if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()]
+              if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
+              and zipfile.is_zipfile(os.path.join(run_dir, d, checkpoint.STATE_FILE))]
     return max(epochs, default=0)
 
 
@@ -341,9 +380,12 @@ class RunFiles(_run_files_base()):
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         rank, err = sorted(worker_exceptions.items())[0]
-        report.append_event(self.run_dir, {"event": "worker_failure", "rank": rank,
-                                           "error": f"rank {rank}: {_short(err)}",
-                                           "time": time.time()})
+        try:
+            report.append_event(self.run_dir, {"event": "worker_failure", "rank": rank,
+                                               "error": f"rank {rank}: {_short(err)}",
+                                               "time": time.time()})
+        except OSError:  # a full disk: raising here would fail the run on this, not on err
+            pass
 
 
 def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
@@ -399,6 +441,14 @@ def export_model(run_dir: str, ckpt) -> str | None:
 
 
 def _failed(cfg: TrainConfig, err: BaseException) -> str:
+    cause = getattr(err, "controller_failure", None)  # Ray's ControllerError
+    if isinstance(cause, OSError) and cause.errno:  # metrics.jsonl etc. on a full disk
+        done = latest_checkpoint_epoch(cfg.run_dir)
+        kept = f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
+        fix = "free space" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the storage"
+        return (f"writing the run files failed: [Errno {cause.errno}] "
+                f"{os.strerror(cause.errno)} (--storage-path {cfg.run.storage_path}); {kept}; "
+                f"{fix} and rerun the same command to resume")
     restarts = sum(1 for e in report.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
     return (f"training failed ({_short(err)}; {restarts} worker failure(s), --max-failures "

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import os
 import sys
@@ -20,10 +21,16 @@ METRICS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "i
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """Replace ``path`` whole or not at all: on a full disk the old file stays as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -38,8 +45,20 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
 
 
 def append_event(run_dir: str, event: dict[str, Any]) -> None:
-    with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
-        f.write(json.dumps(event) + "\n")
+    """Append one line, or nothing: a write cut short (full disk) is truncated away."""
+    data = (json.dumps(event) + "\n").encode()
+    fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
 
 
 def record_epoch(run_dir: str, metrics: dict[str, Any]) -> None:
@@ -128,7 +147,8 @@ class EpochPrinter(Poller):
 
 
 def _row_key(row: dict[str, Any]) -> tuple:
-    return row["epoch"], row.get("first_step_at")
+    """An epoch as trained once: a rerun of it (after a failure) has its own timing."""
+    return row["epoch"], row.get("epoch_s")
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:

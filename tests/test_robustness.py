@@ -1,18 +1,26 @@
-"""Robustness on a real cluster: resources it cannot get, NaN losses, Ctrl-C, bad addresses."""
+"""Robustness on a real cluster: resources it cannot get, NaN losses, Ctrl-C, bad addresses,
+a storage file system that fills up (a real tmpfs), an elastic run waiting for a node."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
+import pytest
 import torch
+import yaml
 
-from raytrain import fit
+from raytrain import fit, launch, report
+from tests.test_cluster import AWS, ONPREM, LocalCluster
+from tests.test_fault_tolerance import _wait_for_epoch
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -85,3 +93,279 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     time.sleep(3)
     alive = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [p.cmdline()[:2] for p in alive]
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str):
+    """A real file system of ``size`` at ``path`` (needs root: this machine and CI have it)."""
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                              str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:120]}): a real full "
+                    "disk needs mount permission (root)")
+    try:
+        yield path
+    finally:  # lazily if a Ray process still holds a file open in it
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def fill(path, leave: int) -> None:
+    """Take all free space on ``path``'s file system but ``leave`` bytes."""
+    st = os.statvfs(path)
+    with open(os.path.join(path, "filler"), "wb") as f:
+        f.write(b"\0" * (st.f_bavail * st.f_frsize - leave))
+
+
+def test_metrics_files_survive_a_full_disk(tmp_path):
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        rows = [{"epoch": e, **{k: 0.5 for k in report.METRICS[1:]}} for e in (1, 2)]
+        for row in rows:
+            report.record_epoch(str(disk), row)
+        report.append_event(str(disk), {"event": "log", "text": "before"})
+        before = {n: (disk / n).read_bytes() for n in ("metrics.jsonl", "metrics.csv",
+                                                       "events.jsonl")}
+        fill(disk, leave=0)
+        with pytest.raises(OSError):
+            report.record_epoch(str(disk), {**rows[1], "epoch": 3, "note": "x" * 8000})
+        with pytest.raises(OSError):
+            report.append_event(str(disk), {"event": "log", "text": "y" * 8000})
+        assert {n: (disk / n).read_bytes() for n in before} == before  # unchanged, no junk
+        assert sorted(os.listdir(disk)) == sorted([*before, "filler"])
+        assert [r["epoch"] for r in report.read_metrics(str(disk))] == [1, 2]
+
+
+def test_latest_checkpoint_ignores_a_checkpoint_without_a_complete_state_file(tmp_path):
+    for epoch in (1, 2, 3):
+        (tmp_path / f"checkpoint_epoch_{epoch:04d}").mkdir()
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "checkpoint_epoch_0001" / "state.pt")
+    whole = (tmp_path / "checkpoint_epoch_0001" / "state.pt").read_bytes()
+    (tmp_path / "checkpoint_epoch_0002" / "state.pt").write_bytes(whole[:len(whole) // 2])
+    assert launch.latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
+
+
+# digits epochs of ~1 s here: time to fill the disk between one epoch's files and the next's
+FULL_DISK_RUN = ["--num-workers", "2", "--dataset", "digits", "--batch-size", "32",
+                 "--checkpoint-every", "2", "--name", "full"]
+
+
+def _fit_on(disk, address: str, *args: str) -> tuple[list[str], subprocess.Popen]:
+    cmd = [sys.executable, "-m", "raytrain.fit", "--address", address, *FULL_DISK_RUN,
+           "--storage-path", str(disk), *args]
+    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
+        ray_cluster, tmp_path):
+    with small_tmpfs(tmp_path / "disk", "6m") as disk:
+        run_dir = disk / "full"
+        cmd, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "6")
+        _wait_for_epoch(run_dir, 2, proc)  # its row is written once its checkpoint is whole
+        state = run_dir / "checkpoint_epoch_0002" / "state.pt"
+        saved = state.read_bytes()
+        fill(disk, leave=128 * 1024)  # room for metrics lines, not for a checkpoint
+        assert len(saved) > 3 * 128 * 1024
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, out + err
+        assert err == (f"raytrain: error: checkpoint save failed at epoch 4: [Errno 28] No "
+                       f"space left on device (--storage-path {disk}); the epoch 2 checkpoint "
+                       "is intact; free space and rerun the same command to resume\n")
+        assert "Traceback" not in out
+        assert state.read_bytes() == saved
+        assert torch.load(state, weights_only=True)["epoch"] == 2
+        assert not (run_dir / "checkpoint_epoch_0004").exists()  # no partial checkpoint
+        assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+        rows = _rows(run_dir)
+        assert [r["epoch"] for r in rows] == [1, 2, 3, 4] and "error" in rows[-1]
+        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+
+        os.remove(disk / "filler")
+        rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+        assert "resuming run full from its epoch 2 checkpoint (4 epochs to go)" in rerun.stdout
+        assert re.findall(r"^epoch +(\d)/6", rerun.stdout, re.M) == ["3", "4", "5", "6"]
+        rows = _rows(run_dir)
+        assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        assert not any("error" in r for r in rows)
+        assert torch.load(run_dir / "checkpoint_epoch_0006" / "state.pt",
+                          weights_only=True)["epoch"] == 6
+
+
+def test_full_disk_on_metrics_write_stops_the_run_and_keeps_what_was_saved(
+        ray_cluster, tmp_path):
+    with small_tmpfs(tmp_path / "disk", "6m") as disk:
+        run_dir = disk / "full"
+        _, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "4")
+        _wait_for_epoch(run_dir, 2, proc)
+        before = (run_dir / "metrics.jsonl").read_bytes()
+        fill(disk, leave=0)  # epoch 3 saves no checkpoint: its metrics are the next write
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, out + err
+        assert err == (f"raytrain: error: writing the run files failed: [Errno 28] No space "
+                       f"left on device (--storage-path {disk}); the epoch 2 checkpoint is "
+                       "intact; free space and rerun the same command to resume\n")
+        assert "Traceback" not in out
+        assert (run_dir / "metrics.jsonl").read_bytes() == before
+        assert [r["epoch"] for r in _rows(run_dir)] == [1, 2]
+        assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+
+
+def _rows(run_dir) -> list[dict]:
+    try:
+        return report.read_metrics(str(run_dir))
+    except ValueError:  # never expected: metrics.jsonl is replaced whole
+        raise AssertionError(f"{run_dir}/metrics.jsonl does not parse") from None
+
+
+# ---------------------------------------------------------------------------- elastic wait
+
+
+@pytest.fixture(scope="module")
+def one_cpu_head():
+    """A cluster of its own: a 1-CPU head (token auth, like cluster.yaml); nodes join later."""
+    cluster = LocalCluster()
+    try:
+        cluster.start_head()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _start_fit(cluster: LocalCluster, *args: str, home=None) -> tuple[subprocess.Popen, list]:
+    """raytrain.fit against ``cluster``, and its output lines as (time, line), as they come.
+    ``home``: its $HOME (the token comes from RAY_AUTH_TOKEN_PATH, not from ~/.ray)."""
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--address", cluster.address,
+                             "--dataset", "digits", "--storage-path", str(cluster.base / "runs"),
+                             *args], env=cluster.client_env | ({"HOME": str(home)} if home
+                                                               else {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    threading.Thread(target=lambda: lines.extend((time.monotonic(), line.rstrip("\n"))
+                                                 for line in proc.stdout), daemon=True).start()
+    return proc, lines
+
+
+def _seen(lines: list, text: str) -> float | None:
+    return next((t for t, line in list(lines) if text in line), None)
+
+
+def test_elastic_run_fails_after_wait_timeout_when_min_workers_never_fit(one_cpu_head):
+    proc, lines = _start_fit(one_cpu_head, "--num-workers", "2:3", "--wait-timeout", "4",
+                             "--name", "never")
+    assert proc.wait(timeout=120) == 2, "\n".join(line for _, line in lines)
+    time.sleep(0.5)  # the reader thread has the last lines
+    text = [line for _, line in lines]
+    assert "Traceback" not in "\n".join(text)
+    assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "
+                        "cluster has 1 CPUs, 0 GPUs in 1 node(s), room for 1 after waiting 4s. "
+                        "Lower --num-workers/--cpus-per-worker, or add nodes")
+    first = _seen(lines, "waiting for resources: room for 1/2 workers; --wait-timeout 4s")
+    assert first is not None and 3 < lines[-1][0] - first < 10  # about --wait-timeout
+    assert not (one_cpu_head.base / "runs" / "never").exists()
+
+
+def test_elastic_run_waits_for_a_node_then_trains(one_cpu_head):
+    proc, lines = _start_fit(one_cpu_head, "--num-workers", "2:3", "--wait-timeout", "120",
+                             "--epochs", "1", "--name", "grows")
+    session = None
+    try:
+        deadline = time.monotonic() + 120
+        while _seen(lines, "waiting for resources: room for 1/2 workers") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            time.sleep(0.2)
+        session = one_cpu_head.add_node()  # one more CPU: room for MIN = 2 workers
+        assert proc.wait(timeout=180) == 0, "\n".join(line for _, line in lines)
+        rows = report.read_metrics(str(one_cpu_head.base / "runs" / "grows"))
+        assert [r["epoch"] for r in rows] == [1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if session is not None:
+            one_cpu_head.stop_session(session)
+
+
+# ---------------------------------------------------------------------------- a `ray up` head
+
+
+def _bootstrap_file(home, config_file):
+    """~/ray_bootstrap_config.yaml as `ray up` leaves it on the head: the cluster config after
+    Ray's own prepare_config (defaults, per-type max_workers), written as JSON."""
+    from ray.autoscaler._private.util import prepare_config
+
+    with open(config_file) as f:
+        config = prepare_config(yaml.safe_load(f))
+    (home / "ray_bootstrap_config.yaml").write_text(json.dumps(config))
+    return home / "ray_bootstrap_config.yaml"
+
+
+def test_bootstrap_config_gives_the_node_types_that_can_add_nodes(tmp_path):
+    aws = _bootstrap_file(tmp_path, AWS)
+    assert launch.bootstrap_groups(str(aws)) == [  # not the head's type (max_workers 0)
+        {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 8},
+        {"resources": {"CPU": 96.0, "GPU": 8.0}, "max_count": 2}]
+    config = json.loads(aws.read_text())
+    config["max_workers"] = 3  # all types together
+    del config["available_node_types"]["gpu.1x-a10g"]["max_workers"]  # defaults to that cap
+    config["available_node_types"]["gpu.8x-a100"]["resources"] = {}  # unknown: left out
+    aws.write_text(yaml.safe_dump(config))
+    assert launch.bootstrap_groups(str(aws)) == [
+        {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 3}]
+    # on-prem: one type without resources, always all listed machines: nothing to ask for
+    assert launch.bootstrap_groups(str(_bootstrap_file(tmp_path, ONPREM))
+                                   ) == []
+    for broken in ("", "[1, 2]", "max_workers: [", "available_node_types: {a: 1}",
+                   "available_node_types: {a: {max_workers: x, resources: {CPU: 1}}}",
+                   "available_node_types: {a: {max_workers: 1, resources: {CPU: x}}}"):
+        aws.write_text(broken)
+        assert launch.bootstrap_groups(str(aws)) == [], broken
+    assert launch.bootstrap_groups(str(tmp_path / "missing.yaml")) == []
+
+
+# A node type the test's own `add_node` plays the autoscaler for: 1 CPU, 2 of them at most.
+ONE_CPU_NODES = {"max_workers": 2, "head_node_type": "head",
+                 "available_node_types": {"head": {"resources": {"CPU": 1}, "max_workers": 0},
+                                          "cpu": {"resources": {"CPU": 1}, "min_workers": 0,
+                                                  "max_workers": 2}}}
+
+
+def test_without_autoscaler_config_a_run_that_does_not_fit_fails_at_once(one_cpu_head, tmp_path):
+    start = time.monotonic()  # a HOME without ~/ray_bootstrap_config.yaml: a fixed cluster
+    proc, lines = _start_fit(one_cpu_head, "--num-workers", "2", "--wait-timeout", "120",
+                             "--name", "fixed", home=tmp_path)
+    assert proc.wait(timeout=60) == 2, "\n".join(line for _, line in lines)
+    assert time.monotonic() - start < 30  # mostly the Python and Ray imports on 2 busy cores
+    time.sleep(0.5)  # the reader thread has the last lines
+    text = [line for _, line in lines]
+    assert not any("waiting for resources" in line for line in text), text
+    assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "
+                        "cluster has 1 CPUs, 0 GPUs in 1 node(s), room for 1. "
+                        "Lower --num-workers/--cpus-per-worker, or add nodes")
+
+
+def test_on_a_ray_up_head_a_run_asks_the_autoscaler_and_waits_for_its_node(one_cpu_head,
+                                                                          tmp_path):
+    (tmp_path / "ray_bootstrap_config.yaml").write_text(json.dumps(ONE_CPU_NODES))
+    proc, lines = _start_fit(one_cpu_head, "--num-workers", "2", "--wait-timeout", "120",
+                             "--epochs", "1", "--shared-storage", "--name", "autoscaled",
+                             home=tmp_path)  # not elastic: only the node types say "wait"
+    session = None
+    try:
+        deadline = time.monotonic() + 60
+        while _seen(lines, "waiting for resources: room for 1/2 workers (autoscaler asked for "
+                           "more nodes); --wait-timeout 120s") is None:
+            assert proc.poll() is None and time.monotonic() < deadline, lines
+            time.sleep(0.2)
+        session = one_cpu_head.add_node()  # what the autoscaler would start
+        assert proc.wait(timeout=120) == 0, "\n".join(line for _, line in lines)
+        rows = report.read_metrics(str(one_cpu_head.base / "runs" / "autoscaled"))
+        assert [r["epoch"] for r in rows] == [1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if session is not None:
+            one_cpu_head.stop_session(session)
