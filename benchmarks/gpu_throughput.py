@@ -8,7 +8,7 @@ No Ray: raytrain's own per-worker code runs in this process (world size 1, so no
 Measured, images/s (CUDA timings bracketed by torch.cuda.synchronize):
   1. raytrain loop: ``raytrain.loop.run_worker`` on ``--dataset synthetic`` (CIFAR-shaped uint8,
      --images per epoch, augmentation on), ``--model resnet18``, per-device batch --batch-size,
-     precision bf16 on CUDA (fp32 on CPU), channels_last on CUDA (what run_worker does); the
+     precision bf16 on CUDA (fp32 on CPU), channels_last (what run_worker does); the
      figure is the reported per-epoch ``images_per_s`` (training only) over epochs 2..N.
   2. step + data: a bare timed loop over ``raytrain.loop.train_step`` fed exactly like
      train_epoch feeds it (uint8 images on the device, epoch_shard/batches indices,
@@ -111,7 +111,7 @@ class Setup:
         self.amp = loop.autocast_dtype(cfg.optim.precision, dev)
         self.scaler = torch.amp.GradScaler(dev.type, enabled=self.amp == torch.float16)
         self.aug = Augment(self.data.mean, self.data.std, dev, crop_pad=4, flip=True,
-                           channels_last=dev.type == "cuda")
+                           channels_last=True)
         self.gen = torch.Generator(device=dev).manual_seed(0)
         self.batch = batch
 

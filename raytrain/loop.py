@@ -180,7 +180,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     augment = cfg.data.augment if cfg.data.augment is not None else cfg.data.dataset != "synthetic"
     aug = Augment(data.mean, data.std, device, crop_pad=4 if augment else 0,
-                  flip=augment and data.flip_ok, channels_last=device.type == "cuda")
+                  flip=augment and data.flip_ok, channels_last=True)
     done, step = 0, 0
     if resume is not None:
         done, step = checkpoint.restore(resume, model, optimizer, scheduler, scaler)
@@ -207,9 +207,10 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
 
 def prepare_model(model: nn.Module, worker: Worker, compile: bool = False) -> nn.Module:
     """The one place a model meets distribution: device, memory format, DDP, compile."""
-    model.to(worker.device)
-    if worker.device.type == "cuda":
-        model.to(memory_format=torch.channels_last)
+    # channels_last on CPUs too: oneDNN's convolutions run NHWC faster (1 thread, batch 64,
+    # forward + backward + SGD: seed-cnn 5,000 -> 7,300 images/s, small-cnn 156 -> 206,
+    # resnet18 even). Its images come from Augment in the same format.
+    model.to(worker.device, memory_format=torch.channels_last)
     wrapped = model
     if worker.world > 1:
         wrapped = nn.parallel.DistributedDataParallel(
