@@ -272,21 +272,28 @@ def test_elastic_run_fails_after_wait_timeout_when_min_workers_never_fit(one_cpu
 def test_elastic_run_waits_for_a_node_then_trains(one_cpu_head):
     proc, lines = _start_fit(one_cpu_head, "--num-workers", "2:3", "--wait-timeout", "120",
                              "--epochs", "1", "--name", "grows")
+    _add_a_node_once_waiting(one_cpu_head, proc, lines,
+                             "waiting for resources: room for 1/2 workers", "grows")
+
+
+def _add_a_node_once_waiting(cluster: LocalCluster, proc: subprocess.Popen, lines: list,
+                             waiting: str, name: str) -> None:
+    """When ``waiting`` is printed, add a 1-CPU node; the run must then finish its epoch."""
     session = None
     try:
         deadline = time.monotonic() + 120
-        while _seen(lines, "waiting for resources: room for 1/2 workers") is None:
+        while _seen(lines, waiting) is None:
             assert proc.poll() is None and time.monotonic() < deadline, lines
             time.sleep(0.2)
-        session = one_cpu_head.add_node()  # one more CPU: room for MIN = 2 workers
+        session = cluster.add_node()  # one more CPU: room for 2 workers
         assert proc.wait(timeout=180) == 0, "\n".join(line for _, line in lines)
-        rows = report.read_metrics(str(one_cpu_head.base / "runs" / "grows"))
+        rows = report.read_metrics(str(cluster.base / "runs" / name))
         assert [r["epoch"] for r in rows] == [1]
     finally:
         if proc.poll() is None:
             proc.kill()
         if session is not None:
-            one_cpu_head.stop_session(session)
+            cluster.stop_session(session)
 
 
 # ---------------------------------------------------------------------------- a `ray up` head
@@ -353,19 +360,6 @@ def test_on_a_ray_up_head_a_run_asks_the_autoscaler_and_waits_for_its_node(one_c
     proc, lines = _start_fit(one_cpu_head, "--num-workers", "2", "--wait-timeout", "120",
                              "--epochs", "1", "--shared-storage", "--name", "autoscaled",
                              home=tmp_path)  # not elastic: only the node types say "wait"
-    session = None
-    try:
-        deadline = time.monotonic() + 60
-        while _seen(lines, "waiting for resources: room for 1/2 workers (autoscaler asked for "
-                           "more nodes); --wait-timeout 120s") is None:
-            assert proc.poll() is None and time.monotonic() < deadline, lines
-            time.sleep(0.2)
-        session = one_cpu_head.add_node()  # what the autoscaler would start
-        assert proc.wait(timeout=120) == 0, "\n".join(line for _, line in lines)
-        rows = report.read_metrics(str(one_cpu_head.base / "runs" / "autoscaled"))
-        assert [r["epoch"] for r in rows] == [1]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        if session is not None:
-            one_cpu_head.stop_session(session)
+    _add_a_node_once_waiting(one_cpu_head, proc, lines,  # the test plays the autoscaler
+                             "waiting for resources: room for 1/2 workers (autoscaler asked "
+                             "for more nodes); --wait-timeout 120s", "autoscaled")
