@@ -29,6 +29,8 @@ STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 # that poll: with short epochs this cost ~2 s per epoch (20 digits epochs: 65 s -> see README).
 CONTROLLER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
+PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+USER_ENV = frozenset(os.environ)  # what the user set, before raytrain sets anything
 if os.path.exists(TOKEN_FILE) and "ray" not in sys.modules:
     # Ray 2.60's client sends the token to an existing cluster only in token mode, read when
     # ray is first imported (seen: "InvalidAuthToken" retries until the connect timeout). A
@@ -394,11 +396,15 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         ) -> Summary:
     """Run one training job on the connected cluster and write the run files."""
     use_gpu = resolve_gpu(cfg)
-    if preflight(cfg, use_gpu):
+    one_host = preflight(cfg, use_gpu)
+    if PREEMPTION_WATCHER not in USER_ENV:
         # Train's PreemptionWatcher drains workers on nodes about to be preempted; on one host
         # the driver goes down with them. Its actor is one more process starting beside the
         # workers (seen at 19.5 s of a 24 s time to first step on 2 cores) and polls every 5 s.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        if one_host:
+            os.environ[PREEMPTION_WATCHER] = "0"
+        else:
+            os.environ.pop(PREEMPTION_WATCHER, None)
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
     model_path = os.path.join(cfg.run_dir, "model.pt")
     if done >= cfg.optim.epochs and os.path.exists(model_path):
