@@ -6,6 +6,7 @@ Everything in it is a tensor, number, string, list, tuple or dict, so it loads w
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from typing import Any
@@ -108,3 +109,13 @@ def model_weights(path: str) -> dict[str, torch.Tensor]:
             not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RaytrainError(f"{path}: not a model state_dict or raytrain checkpoint")
     return state
+
+
+def storage_failure(what: str, err: OSError, storage_path: str, kept: str) -> str:
+    """The one line for a write to --storage-path that failed (a full disk, failing storage):
+    what failed and why, what is still there (``kept``), and what to do."""
+    why = (f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else
+           str(err).strip().splitlines()[0][:200])
+    fix = "free space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the storage"
+    return (f"{what}: {why} (--storage-path {storage_path}); {kept}; {fix} and rerun the same "
+            "command to resume")

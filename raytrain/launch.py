@@ -4,7 +4,6 @@ turn its result into run files and a summary.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import socket
@@ -30,7 +29,7 @@ STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
 CONTROLLER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
 PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-USER_ENV = frozenset(os.environ)  # what the user set, before raytrain sets anything
+PREEMPTION_WATCHER_BY_USER = PREEMPTION_WATCHER in os.environ  # before raytrain sets it
 if os.path.exists(TOKEN_FILE) and "ray" not in sys.modules:
     # Ray 2.60's client sends the token to an existing cluster only in token mode, read when
     # ray is first imported (seen: "InvalidAuthToken" retries until the connect timeout). A
@@ -397,7 +396,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     """Run one training job on the connected cluster and write the run files."""
     use_gpu = resolve_gpu(cfg)
     one_host = preflight(cfg, use_gpu)
-    if PREEMPTION_WATCHER not in USER_ENV:
+    if not PREEMPTION_WATCHER_BY_USER:
         # Train's PreemptionWatcher drains workers on nodes about to be preempted; on one host
         # the driver goes down with them. Its actor is one more process starting beside the
         # workers (seen at 19.5 s of a 24 s time to first step on 2 cores) and polls every 5 s.
@@ -457,10 +456,8 @@ def _failed(cfg: TrainConfig, err: BaseException) -> str:
     if isinstance(cause, OSError) and cause.errno:  # metrics.jsonl etc. on a full disk
         done = latest_checkpoint_epoch(cfg.run_dir)
         kept = f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
-        fix = "free space" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the storage"
-        return (f"writing the run files failed: [Errno {cause.errno}] "
-                f"{os.strerror(cause.errno)} (--storage-path {cfg.run.storage_path}); {kept}; "
-                f"{fix} and rerun the same command to resume")
+        return checkpoint.storage_failure("writing the run files failed", cause,
+                                          cfg.run.storage_path, kept)
     restarts = sum(1 for e in report.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
     return (f"training failed ({_short(err)}; {restarts} worker failure(s), --max-failures "

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -147,18 +146,13 @@ def _save_checkpoint(state: dict[str, Any], name: str, epoch: int, storage_path:
             if "AWS Error" in str(err) and attempt < 2:  # S3 throttling: Ray's report()
                 time.sleep(2 ** attempt)                 # retries it 3 times, so do we
                 continue
-            why = f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else \
-                str(err).strip().splitlines()[0][:200]
             last = ray.train.get_checkpoint()  # the latest saved (or resumed from)
             base = os.path.basename(last.path.rstrip("/")) if last is not None else ""
             done = base.removeprefix("checkpoint_epoch_")
             kept = (f"the epoch {int(done)} checkpoint is intact" if done.isdigit() else
                     f"{base} is intact" if base else "no checkpoint was saved before it")
-            fix = "free space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else \
-                "fix the storage"
-            return None, (f"checkpoint save failed at epoch {epoch}: {why} (--storage-path "
-                          f"{storage_path}); {kept}; {fix} and rerun the same command to "
-                          "resume")
+            return None, checkpoint.storage_failure(f"checkpoint save failed at epoch {epoch}",
+                                                    err, storage_path, kept)
 
 
 def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
