@@ -33,7 +33,8 @@ Measured per run (all from this process's clock; same machine):
   * time to first step from process spawn: until rank 0's first optimizer step ended
     (seed: `first_step_at` in its JSON; raytrain: `first_step_at` of epoch 1 in metrics.jsonl).
     raytrain also prints its own "time to first step X s" (counted from its import of
-    raytrain.fit, so it omits interpreter start); both are shown.
+    raytrain.fit, so it omits interpreter start) and that time by phase; both are shown,
+    the phases as medians.
   * raytrain only: wall split into startup (to first step), training (first step -> last
     metrics.jsonl write) and teardown (last write -> exit: export, plots, cluster shutdown).
 Medians over runs; ratios are raytrain/torchrun: throughput higher is better, wall and time to
@@ -170,6 +171,7 @@ def run_torchrun(args, out_dir: str, tag: str) -> dict:
 
 
 FIRST_STEP_RE = re.compile(r"time to first step\s*([0-9.]+)\s*s")
+PHASES_RE = re.compile(r"time to first step [0-9.]+s = (.*?); wall time")
 
 
 def run_raytrain(args, out_dir: str, tag: str, address: str | None) -> dict:
@@ -201,6 +203,10 @@ def run_raytrain(args, out_dir: str, tag: str, address: str | None) -> dict:
                           "teardown": t_exit - last_write}
     printed = FIRST_STEP_RE.findall(output)
     res["printed_first_step_s"] = float(printed[-1]) if printed else None
+    phases = PHASES_RE.findall(output)  # "Ray up 6.1 + preflight 0.2 + ... + first step 0.1"
+    if phases:
+        res["phases_s"] = {name: float(sec) for name, sec in
+                           (p.rsplit(" ", 1) for p in phases[-1].split(" + "))}
     if not args.keep:
         shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
     return res
@@ -356,6 +362,11 @@ def summary(torch_runs, cold_runs, warm_runs) -> tuple[list[str], dict]:
             parts = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
             rows.append(f"{'  raytrain wall split (medians) s':<34}" + ", ".join(
                 f"{k} {v:.1f}" for k, v in parts.items()))
+        phases = [r["phases_s"] for r in ok if "phases_s" in r]
+        if phases:
+            rows.append(f"{'  raytrain first step by phase s':<34}" + ", ".join(
+                f"{k} {statistics.median(p.get(k, 0.0) for p in phases):.1f}"
+                for k in phases[0]))
         out[label.replace(" ", "_")] = {
             "images_per_s_per_worker": r_ips, "wall_s": r_wall, "first_step_s": r_first,
             "printed_first_step_s": r_printed, "runs": len(runs), "ok": len(ok),

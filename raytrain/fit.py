@@ -179,7 +179,9 @@ def print_summary(summary) -> None:
         print(f"final test_acc {final['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
               f"{best['epoch']}), test_loss {final['test_loss']:.4f}")
     if summary.first_step_s is not None:
-        print(f"time to first step {summary.first_step_s:.1f}s, wall time {summary.wall_s:.1f}s")
+        phases = " + ".join(f"{name} {sec:.1f}" for name, sec in summary.startup or [])
+        print(f"time to first step {summary.first_step_s:.1f}s"
+              + (f" = {phases}" if phases else "") + f"; wall time {summary.wall_s:.1f}s")
     print(f"run directory: {summary.run_dir}")
     if summary.model_path:
         print(f"weights: {summary.model_path}")

@@ -11,7 +11,7 @@ import sys
 import time
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -23,7 +23,7 @@ from raytrain.config import FIELDS, RaytrainError, TrainConfig
 NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
                 "wait_timeout", "log_every", "name", "storage_path", "keep_checkpoints",
                 "use_gpu", "cpus_per_worker", "num_workers"}
-STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
+STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}  # the dashboard's Train view
 # The Train controller polls workers every 2 s by default and a worker's report waits for
 # that poll: with short epochs this cost ~2 s per epoch (20 digits epochs: 65 s -> see README).
 CONTROLLER_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
@@ -54,6 +54,7 @@ class Summary:
     wall_s: float
     first_step_s: float | None
     model_path: str | None
+    startup: list[tuple[str, float]] | None = None  # the time to first step, by phase
 
     @property
     def final(self) -> dict[str, Any]:
@@ -72,17 +73,15 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
     address = address or os.environ.get("RAY_ADDRESS") or None
     import ray
 
-    os.environ.update(STATE_TRACKING)  # the dashboard's Train view needs it on every process
-    for key, value in CONTROLLER_ENV.items():
-        os.environ.setdefault(key, value)
+    train_env()
     if ray.is_initialized():
         return False
     kept = None
     # Ray forwards every worker's and controller's output to the driver: tracebacks of
-    # expected failures, deprecation notes. raytrain prints what matters itself.
+    # expected failures, deprecation notes. raytrain prints what matters itself. No job-wide
+    # runtime_env: the workers a new cluster prestarts serve only jobs without one.
     kwargs: dict[str, Any] = dict(logging_level="INFO" if verbose else "ERROR",
-                                  log_to_driver=verbose,
-                                  runtime_env={"env_vars": dict(STATE_TRACKING)})
+                                  log_to_driver=verbose)
     if address is None:
         if not verbose:  # processes of a cluster we start inherit this: no deprecation noise
             os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
@@ -90,6 +89,7 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
             address = kept = start_head()
         else:
             ctx = ray.init(address="local", **kwargs)
+            start_state_actor()
             print_dashboard(ctx.dashboard_url, kept=False)
             return True
     _check_reachable(address)
@@ -98,9 +98,40 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
     except Exception as err:
         raise RaytrainError(f"--address {address}: cannot connect to a Ray cluster there "
                             f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
+    start_state_actor()
     if kept:
         print_dashboard(ctx.dashboard_url, kept=True)
     return False
+
+
+def train_env(shape: Shape | None = None) -> None:
+    """Settings Ray Train reads from the environment of the process that runs a trainer (the
+    driver, or a Tune trial) and passes on to its controller and workers."""
+    os.environ.update(STATE_TRACKING)
+    for key, value in CONTROLLER_ENV.items():
+        os.environ.setdefault(key, value)
+    if shape is not None and not PREEMPTION_WATCHER_BY_USER:
+        # Train's PreemptionWatcher drains workers on nodes about to be preempted; on one host
+        # the driver goes down with them. Its actor is one more process starting beside the
+        # workers (seen at 19.5 s of a 24 s time to first step on 2 cores) and polls every 5 s.
+        if shape.one_host:
+            os.environ[PREEMPTION_WATCHER] = "0"
+        else:
+            os.environ.pop(PREEMPTION_WATCHER, None)
+
+
+def start_state_actor() -> None:
+    """Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray is up.
+
+    Train's controller starts it otherwise, and waits for it, on the way to the first step;
+    from here it starts beside the driver's preflight and the controller (a new local cluster:
+    in a worker process Ray has already started). It lives as long as the cluster: on a
+    running cluster this finds the one there."""
+    try:
+        from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
+    except ImportError:  # another Ray version: its controller starts it
+        return
+    get_or_create_state_actor()
 
 
 def start_head() -> str:
@@ -212,11 +243,15 @@ def bootstrap_groups(path: str) -> list[dict]:
         return []
 
 
-def preflight(cfg: TrainConfig, use_gpu: bool) -> bool:
+class Shape(NamedTuple):
+    one_host: bool  # one node, and no node type to add
+    can_grow: bool  # an autoscaler can add nodes the workers fit on
+
+
+def preflight(cfg: TrainConfig, use_gpu: bool) -> Shape:
     """Fail within seconds when the cluster cannot place the workers: Ray itself would retry
     forever. An autoscaling cluster, or an elastic MIN:MAX run, gets --wait-timeout to grow,
-    with a visible message; an impossible request fails at once either way. Returns whether
-    the cluster is one host that cannot grow."""
+    with a visible message; an impossible request fails at once either way."""
     import ray
 
     c = cfg.cluster
@@ -250,7 +285,7 @@ def preflight(cfg: TrainConfig, use_gpu: bool) -> bool:
         time.sleep(min(5.0, left))
     _clear_request(requested)  # the workers' placement group now holds what they need
     check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
-    return len(alive) == 1 and not groups
+    return Shape(one_host=len(alive) == 1 and not groups, can_grow=can_grow)
 
 
 def _clear_request(requested: bool) -> None:
@@ -329,16 +364,20 @@ def latest_checkpoint_epoch(run_dir: str) -> int:
 # ---------------------------------------------------------------------------- training
 
 
-def build_trainer(cfg: TrainConfig, use_gpu: bool, callbacks: list | None = None):
+def build_trainer(cfg: TrainConfig, use_gpu: bool, shape: Shape, callbacks: list | None = None,
+                  driver_outlives_run: bool = False):
+    """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
+    (``trainer.py``)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
-    from ray.train.torch import TorchTrainer
 
     from raytrain.loop import train_loop_per_worker
+    from raytrain.trainer import Trainer
 
     c = cfg.cluster
-    return TorchTrainer(
+    return Trainer(
         train_loop_per_worker,
+        fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
         train_loop_config=cfg.to_flat(),
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_worker}
@@ -352,8 +391,7 @@ def build_trainer(cfg: TrainConfig, use_gpu: bool, callbacks: list | None = None
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
             callbacks=callbacks if callbacks is not None else [RunFiles(cfg.run_dir)],
-            logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING"),
-            worker_runtime_env={"env_vars": dict(STATE_TRACKING)}))
+            logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
 def _run_files_base():
@@ -394,16 +432,10 @@ class RunFiles(_run_files_base()):
 def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
         ) -> Summary:
     """Run one training job on the connected cluster and write the run files."""
+    connected_at = time.time()
     use_gpu = resolve_gpu(cfg)
-    one_host = preflight(cfg, use_gpu)
-    if not PREEMPTION_WATCHER_BY_USER:
-        # Train's PreemptionWatcher drains workers on nodes about to be preempted; on one host
-        # the driver goes down with them. Its actor is one more process starting beside the
-        # workers (seen at 19.5 s of a 24 s time to first step on 2 cores) and polls every 5 s.
-        if one_host:
-            os.environ[PREEMPTION_WATCHER] = "0"
-        else:
-            os.environ.pop(PREEMPTION_WATCHER, None)
+    shape = preflight(cfg, use_gpu)
+    train_env(shape)
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
     model_path = os.path.join(cfg.run_dir, "model.pt")
     if done >= cfg.optim.epochs and os.path.exists(model_path):
@@ -413,7 +445,8 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
-    trainer = build_trainer(cfg, use_gpu)
+    trainer = build_trainer(cfg, use_gpu, shape)
+    driver = [("Ray up", connected_at), ("preflight", time.time())]
     with report.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
         try:
             result = trainer.fit()
@@ -431,10 +464,10 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
                             f"{cfg.optim.epochs}; rerun the same command to resume")
     model_path = export_model(cfg.run_dir, result.checkpoint)
     report.plot_curves(cfg.run_dir, rows)
-    first = [r["first_step_at"] for r in rows if r.get("first_step_at")]
+    first = [r for r in rows if r.get("first_step_at", 0) > started_at]  # this attempt's
     return Summary(cfg.run_dir, rows, time.time() - started_at,
-                   (first[-1] - started_at) if first and first[-1] > started_at else None,
-                   model_path)
+                   first[-1]["first_step_at"] - started_at if first else None, model_path,
+                   report.startup_phases(started_at, driver, first[-1]) if first else None)
 
 
 def export_model(run_dir: str, ckpt) -> str | None:

@@ -159,12 +159,15 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
                resume: dict[str, Any] | None = None) -> None:
     """Train ``cfg`` on this worker's shards; report every epoch (all workers must call)."""
     device, o = worker.device, cfg.optim
+    startup = {"process": process_started_at(), "loop": time.time()}  # -> time to first step
     torch.manual_seed(cfg.run.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size).to(device)
+    startup["data"] = time.time()
     model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained)
     ddp = prepare_model(model, worker, compile=cfg.model.compile)
+    startup["model"] = time.time()
     amp_dtype = autocast_dtype(o.precision, device)
     # The global batch is split over the workers actually running (elastic runs may have
     # fewer than --num-workers' maximum).
@@ -185,7 +188,8 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         test = evaluate(model, data, aug, amp_dtype, worker)
         metrics = epoch_metrics(epoch, train, test, optimizer)
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
-            metrics.update(first_step_at=train["first_step_at"], resumed_from=done)
+            metrics.update(first_step_at=train["first_step_at"], resumed_from=done,
+                           startup=startup)
         # Never checkpoint a diverged model: the latest checkpoint is what a rerun resumes.
         save = worker.master and "error" not in metrics and (
             epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
@@ -197,6 +201,18 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
 
 
 # ---------------------------------------------------------------------------- setup
+
+
+def process_started_at() -> float | None:
+    """When this process started, in epoch seconds (Linux: /proc, to 10 ms); else None."""
+    try:
+        with open("/proc/self/stat") as f:  # field 22: start time in ticks after boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def prepare_model(model: nn.Module, worker: Worker, compile: bool = False) -> nn.Module:

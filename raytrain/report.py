@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import csv
 import errno
 import json
 import os
@@ -72,6 +71,22 @@ def record_epoch(run_dir: str, metrics: dict[str, Any]) -> None:
                   "".join(json.dumps(r) + "\n" for r in rows))
     lines = [",".join(METRICS)] + [",".join(str(r.get(k, "")) for k in METRICS) for r in rows]
     _atomic_write(os.path.join(run_dir, "metrics.csv"), "\n".join(lines) + "\n")
+
+
+def startup_phases(started_at: float, driver: list[tuple[str, float]], row: dict[str, Any]
+                   ) -> list[tuple[str, float]]:
+    """Where the time to first step went: (phase, seconds), each ending at its mark. The
+    driver's marks, then rank 0's (``loop.run_worker``) from an epoch row of this attempt."""
+    worker = row.get("startup") or {}
+    marks = driver + [("worker start", worker.get("process")),
+                      ("worker setup", worker.get("loop")), ("data", worker.get("data")),
+                      ("model", worker.get("model")), ("first step", row["first_step_at"])]
+    phases, last = [], started_at
+    for name, at in marks:
+        if at:
+            phases.append((name, at - last))
+            last = at
+    return phases
 
 
 def epoch_line(m: dict[str, Any], epochs: int, eta_s: float | None = None) -> str:

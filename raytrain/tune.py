@@ -102,11 +102,11 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
 
     check(cfg)
     use_gpu = launch.resolve_gpu(cfg)
-    launch.preflight(cfg, use_gpu)
+    shape = launch.preflight(cfg, use_gpu)
     exp_dir = cfg.run_dir
     base = prepare_exp_dir(cfg, resume, fresh)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=base, use_gpu=use_gpu), TRIAL_RESOURCES)
+        tune.with_parameters(run_trial, base=base, use_gpu=use_gpu, shape=shape), TRIAL_RESOURCES)
     concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, use_gpu)
     if tune.Tuner.can_restore(exp_dir):
         print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)
@@ -368,11 +368,13 @@ class Progress(_progress_base()):
 # ---------------------------------------------------------------------------- trial
 
 
-def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool) -> None:
+def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool,
+              shape: launch.Shape) -> None:
     """One Tune trial: a TorchTrainer for this trial's lr and batch size, run to the end."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    launch.train_env(shape)  # the trial's process runs the trainer: the driver's settings
     trial_id = ray.tune.get_context().get_trial_id()
     trial_dir = os.path.join(base["storage_path"], base["name"], "trials", trial_id)
     os.makedirs(trial_dir, exist_ok=True)
@@ -393,7 +395,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool) -> No
         ray.tune.report(metrics)
         return
     forward = ForwardReports() if base["scheduler"] == "pbt" else None
-    trainer = launch.build_trainer(cfg, use_gpu, callbacks=[
+    trainer = launch.build_trainer(cfg, use_gpu, shape, driver_outlives_run=True, callbacks=[
         launch.RunFiles(trial_dir), forward or TuneReportCallback(),
         RecordPlacementGroup(os.path.join(trial_dir, PG_FILE))])
     if start:
@@ -591,33 +593,39 @@ def _worker_group_callback_base():
 
 
 class RecordPlacementGroup(_worker_group_callback_base()):
-    """Train-controller callback: notes each worker group's placement group and the controller
-    that owns it (a line of ``placement_groups.jsonl``) for ``PlacementGroupReaper``."""
+    """Train-controller callback: notes the controller (a line of ``placement_groups.jsonl``)
+    before it creates a worker group's placement group, for ``PlacementGroupReaper``."""
 
     def __init__(self, path: str):
         self.path = path
+        self.recorded = False
 
-    def after_worker_group_start(self, worker_group) -> None:
+    def before_worker_group_start(self, worker_group_context) -> None:
         import ray
 
-        handle = worker_group.get_worker_group_state().placement_group_handle
-        _append_jsonl(self.path, {"pg": handle.placement_group.id.hex(),
-                                  "controller": ray.get_runtime_context().get_actor_id()})
+        if not self.recorded:  # once per controller: its restarts make new groups too
+            _append_jsonl(self.path, {"controller": ray.get_runtime_context().get_actor_id()})
+            self.recorded = True
 
 
 class PlacementGroupReaper(report.Poller):
-    """Driver thread: removes a Train run's worker placement group once its controller is dead.
+    """Driver thread: removes the placement groups a Train controller made once it is dead.
 
-    Tune ends a trial (early stop, PBT pause or exploit) by ending the trial's process; the
-    Train controller it owns dies with it and never removes its workers' placement group. Ray
-    2.60's PlacementGroupCleaner should, but its state-API query fails when several Ray
-    clusters run on one machine ("Found multiple active Ray instances"), and the leaked CPUs
-    stall every later trial (seen here: 60 s worker-group timeouts; Ray issue #54305).
+    Tune ends a trial (early stop, PBT pause or exploit, Ctrl-C) by ending the trial's process;
+    the Train controller it owns dies with it and never removes its workers' placement group,
+    and Ray keeps a group until the job that made it ends: the driver, here, which runs the
+    whole search. Ray 2.60's PlacementGroupCleaner should remove it, but its state-API query
+    fails when several Ray clusters run on one machine ("Found multiple active Ray instances"),
+    and the leaked CPUs stall every later trial (seen here: 60 s worker-group timeouts; Ray
+    issue #54305). And neither it nor a record written once a group has started knows of a
+    group that never finished starting: a controller whose worker died first (Ctrl-C) retries,
+    making a new group in its last moments (seen: one CPU held for the rest of the session, the
+    trials of later searches then ran one at a time). So the groups are found by who made them
+    (the GCS table), and only the controllers are recorded, before they make any.
     """
 
     def __init__(self, trials_dir: str, interval_s: float = 1.0):
         self.trials_dir, self.interval_s = trials_dir, interval_s
-        self.done: set[str] = set()
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -633,14 +641,16 @@ class PlacementGroupReaper(report.Poller):
                 return
             time.sleep(0.5)
 
-    def records(self) -> list[dict[str, str]]:
+    def controllers(self) -> set[str]:
         if not os.path.isdir(self.trials_dir):
-            return []
-        return [rec for trial in sorted(os.listdir(self.trials_dir))
-                for rec in report.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE))]
+            return set()
+        return {rec["controller"] for trial in sorted(os.listdir(self.trials_dir))
+                for rec in report.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE))}
 
     def pending(self) -> list[str]:
-        return [rec["pg"] for rec in self.records() if rec["pg"] not in self.done]
+        """The placement groups of this search's controllers that are not removed yet."""
+        mine = self.controllers()
+        return [pg for pg, creator, _ in live_placement_groups() if creator in mine]
 
     def poll(self) -> None:
         try:
@@ -649,31 +659,34 @@ class PlacementGroupReaper(report.Poller):
             pass
 
     def sweep(self) -> int:
-        """Remove every recorded placement group whose controller is dead; returns how many."""
-        import ray
+        """Remove every placement group a dead controller of this search made; returns how
+        many."""
         from ray._raylet import PlacementGroupID
         from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+        mine = self.controllers()
         removed = 0
-        for rec in self.records():
-            if rec["pg"] in self.done:
-                continue
-            pg = PlacementGroup(PlacementGroupID(bytes.fromhex(rec["pg"])))
-            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
-                self.done.add(rec["pg"])
-            elif _actor_dead(rec["controller"]):
-                remove_placement_group(pg)
-                self.done.add(rec["pg"])
+        for pg, creator, creator_dead in live_placement_groups():
+            if creator in mine and creator_dead:
+                remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg))))
                 removed += 1
         return removed
 
 
-def _actor_dead(actor_id: str) -> bool:
-    # The GCS actor table (no dashboard/state API needed, unlike ray.util.state.get_actor).
-    from ray._private import state
+def live_placement_groups() -> list[tuple[str, str, bool]]:
+    """(id, creator actor id, whether that actor is dead) of each placement group not removed:
+    the GCS table, which ``ray.util.placement_group_table`` shows without its creator."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
 
-    info = state.actors(actor_id=actor_id)
-    return bool(info) and info.get("State") == "DEAD"
+    table = gcs_pb2.PlacementGroupTableData
+    rows = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = table.FromString(raw)
+        if pg.state != table.REMOVED:
+            rows.append((pg.placement_group_id.hex(), pg.creator_actor_id.hex(),
+                         pg.creator_actor_dead))
+    return rows
 
 
 # ---------------------------------------------------------------------------- results

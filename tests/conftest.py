@@ -17,11 +17,8 @@ def ray_cluster():
 
     from raytrain import launch
 
-    os.environ.update(launch.STATE_TRACKING)
-    for key, value in launch.CONTROLLER_ENV.items():
-        os.environ.setdefault(key, value)
-    ctx = ray.init(address="local", num_cpus=2, logging_level="WARNING",
-                   runtime_env={"env_vars": dict(launch.STATE_TRACKING)})
+    launch.train_env()
+    ctx = ray.init(address="local", num_cpus=2, logging_level="WARNING")
     yield ctx
     ray.shutdown()
 

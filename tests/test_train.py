@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,17 +24,28 @@ def _metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
+def _actors(cluster) -> dict[str, str]:
+    from ray.util.state import list_actors
+
+    return {a.actor_id: a.class_name for a in  # dead ones too
+            list_actors(address=f"http://{cluster.dashboard_url}", limit=10_000)}
+
+
 @pytest.fixture(scope="module")
 def digits_run(ray_cluster, tmp_path_factory):
     storage = tmp_path_factory.mktemp("runs")
-    rc = fit.main(["--num-workers", "2", "--dataset", "digits", "--storage-path",
-                   str(storage), "--name", "digits"])
-    return rc, str(storage / "digits")
+    before, out = _actors(ray_cluster), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = fit.main(["--num-workers", "2", "--dataset", "digits", "--storage-path",
+                       str(storage), "--name", "digits"])
+    print(out.getvalue())
+    return SimpleNamespace(rc=rc, run_dir=str(storage / "digits"), output=out.getvalue(),
+                           started={c for a, c in _actors(ray_cluster).items() if a not in before})
 
 
 def test_digits_is_learned_with_two_workers(digits_run):
-    rc, run_dir = digits_run
-    assert rc == 0
+    assert digits_run.rc == 0
+    run_dir = digits_run.run_dir
     rows = _metrics(run_dir)
     assert [r["epoch"] for r in rows] == list(range(1, 31))
     assert rows[-1]["test_acc"] >= 0.95  # chance is 0.10
@@ -42,7 +57,7 @@ def test_digits_is_learned_with_two_workers(digits_run):
 
 
 def test_run_directory_holds_config_metrics_plot_and_weights(digits_run):
-    _, run_dir = digits_run
+    run_dir = digits_run.run_dir
     with open(os.path.join(run_dir, "config.yaml")) as f:
         saved = yaml.safe_load(f)
     assert saved["dataset"] == "digits" and saved["num_workers"] == 2
@@ -51,10 +66,31 @@ def test_run_directory_holds_config_metrics_plot_and_weights(digits_run):
     model.load_state_dict(torch.load(os.path.join(run_dir, "model.pt"), weights_only=True))
 
 
+def test_run_starts_no_ray_actor_it_does_not_use(digits_run):
+    """raytrain passes no Ray Datasets, the local cluster cannot grow, and a plain run's driver
+    exits with its placement group: no DatasetManager, autoscaling coordinator or placement
+    group cleaner (raytrain/trainer.py)."""
+    started = digits_run.started
+    assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= started
+    assert not started & {"DatasetManager", "_AutoscalingCoordinatorActor",
+                          "PlacementGroupCleaner"}
+
+
+def test_summary_breaks_down_the_time_to_first_step(digits_run):
+    first = _metrics(digits_run.run_dir)[0]
+    at = first["startup"]
+    assert at["process"] <= at["loop"] <= at["data"] <= at["model"] <= first["first_step_at"]
+    line = re.search(r"time to first step ([0-9.]+)s = (.*); wall time", digits_run.output)
+    phases = dict(p.rsplit(" ", 1) for p in line.group(2).split(" + "))
+    assert list(phases) == ["Ray up", "preflight", "worker start", "worker setup", "data",
+                            "model", "first step"]
+    assert sum(map(float, phases.values())) == pytest.approx(float(line.group(1)), abs=0.4)
+
+
 def test_evaluate_reproduces_the_final_test_accuracy(digits_run, capsys):
     from raytrain import evaluate
 
-    _, run_dir = digits_run
+    run_dir = digits_run.run_dir
     assert evaluate.main([run_dir]) == 0
     out = capsys.readouterr().out
     assert f"test_acc {_metrics(run_dir)[-1]['test_acc']:.4f}" in out
