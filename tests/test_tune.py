@@ -31,6 +31,21 @@ def _jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _held_after_cleanup(wait_s=15):
+    """The bundles of the placement groups still held once Tune's asynchronous removal of its
+    trial groups had ``wait_s`` to finish; [] when the cluster's CPUs are all free again."""
+    import ray
+
+    def held():
+        return [pg["bundles"] for pg in ray.util.placement_group_table().values()
+                if pg["state"] != "REMOVED"]
+
+    deadline = time.monotonic() + wait_s
+    while held() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return held()
+
+
 # ---------------------------------------------------------------------------- ASHA
 
 
@@ -75,15 +90,37 @@ def test_stopped_trials_give_their_cpus_back(asha):
     """Tune ends a stopped trial's process; its workers' placement group must not leak."""
     import ray
 
-    def held():
-        return [pg["bundles"] for pg in ray.util.placement_group_table().values()
-                if pg["state"] != "REMOVED"]
-
-    deadline = time.monotonic() + 15  # Tune removes its own trial groups asynchronously
-    while held() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert held() == []
+    assert _held_after_cleanup() == []
     assert ray.available_resources().get("CPU", 0) == 2
+
+
+def test_the_reaper_finds_a_group_its_dead_controller_never_finished_starting(ray_cluster,
+                                                                              tmp_path):
+    """A Train controller whose worker died first (Ctrl-C) retries, and dies while its new
+    worker group starts: nothing recorded that group. The reaper finds it by its creator."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def start_worker_group(self, record):
+            tuning.RecordPlacementGroup(record).before_worker_group_start(None)
+            return placement_group([{"CPU": 1}]).id.hex()
+
+    trial_dir = tmp_path / "trials" / "t1"
+    trial_dir.mkdir(parents=True)
+    controller = Controller.remote()
+    pg = ray.get(controller.start_worker_group.remote(str(trial_dir / tuning.PG_FILE)))
+    reaper = tuning.PlacementGroupReaper(str(tmp_path / "trials"))
+    assert reaper.pending() == [pg]
+    assert reaper.sweep() == 0  # its controller is alive: a running trial's group stays
+    ray.kill(controller)
+    deadline = time.monotonic() + 15
+    while reaper.pending() and time.monotonic() < deadline:
+        reaper.sweep()
+        time.sleep(0.2)
+    assert reaper.pending() == []
+    assert _held_after_cleanup() == []
 
 
 def test_rerunning_the_command_resumes_the_finished_search(asha, capsys):
@@ -134,6 +171,7 @@ def test_an_interrupted_search_resumes_where_it_stopped(ray_cluster, tmp_path, c
     threading.Thread(target=interrupt_after_first_epoch, daemon=True).start()
     assert _search(tmp_path, "intr", *flags) == 130
     assert "rerun the same command to resume" in capsys.readouterr().err
+    assert _held_after_cleanup() == []  # nor a group a dying controller had just made
     assert _search(tmp_path, "intr", *flags) == 0
     rows = _results(tmp_path / "intr")
     assert len(rows) == 2 and all(r["status"] == "completed" for r in rows.values())
@@ -165,34 +203,45 @@ def test_a_nan_trial_fails_alone_and_is_reported(ray_cluster, tmp_path, capsys):
 
 def test_pbt_exploits_another_trials_checkpoint(ray_cluster, tmp_path):
     """lr 0.0003 lags far behind lr 0.05: PBT copies the leader's checkpoint into it."""
-    # Whether PBT gets to exploit depends on how Tune happens to schedule the two trials on
-    # 2 shared CPUs (seen: CI runs with none), so a search without one is run again, twice at
-    # most; each search must finish cleanly.
+    # PBT exploits only while both trials run: the weak one must report after the leader has
+    # saved a checkpoint at a perturbation, and before the leader finishes. So both trials'
+    # workers must fit on the cluster at once: with a CPU still held (a placement group an
+    # earlier search leaked), they run one after the other. Batches of 16 (4x the steps of 64,
+    # ~1 s epochs here; lr 0.05 still learns, 0.0003 stays near chance) leave the two starts a
+    # few seconds of slack: at batch 64 (~2.5 s for 5 epochs), first steps 1.5 s apart gave no
+    # exploit. How Tune schedules the two trials on 2 shared CPUs still varies, so a search
+    # without one is run again, twice at most; each search must finish cleanly.
+    assert _held_after_cleanup() == []
+    gaps = []
     for attempt in range(3):
         name = f"pbt{attempt}"
         rc = _search(tmp_path, name, "--scheduler", "pbt", "--lr-range", "0.05,0.0003",
-                     "--batch-sizes", "64", "--num-samples", "1", "--epochs", "5",
+                     "--batch-sizes", "16", "--num-samples", "1", "--epochs", "5",
                      "--perturbation-interval", "1")
         assert rc == 0
         rows = _results(tmp_path / name)
+        # A clone of the leader's last epoch (it had finished) leaves nothing to train: no
+        # resume to check, so it does not count.
         exploits = [(tid, s) for tid in rows
                     for s in _jsonl(tmp_path / name / "trials" / tid / "starts.jsonl")
-                    if s["from_trial"] not in (None, tid)]
+                    if s["from_trial"] not in (None, tid) and s["from_epoch"] < 5]
         if exploits:
             break
-    assert exploits, "no trial continued from another trial's checkpoint in 3 searches"
+        firsts = [_jsonl(tmp_path / name / "trials" / tid / "metrics.jsonl")[0]["first_step_at"]
+                  for tid in rows]
+        gaps.append(round(max(firsts) - min(firsts), 1))
+    assert exploits, ("no trial resumed from another trial's checkpoint in 3 searches; "
+                      f"seconds between the trials' first steps: {gaps}")
     trial_id, start = min(exploits, key=lambda e: e[1]["from_epoch"])
     assert start["from_trial"] in rows and start["from_trial"] in rows[trial_id]["started_from"]
     # The new Train run started from the donor's training state at that epoch...
     state = checkpoint.load_state(str(tmp_path / name / "trials" / trial_id / "starts" /
                                       start["segment"]))
     assert state["epoch"] == start["from_epoch"]
-    # ...and resumed there: its first epoch is the next one. (When the trials ran one after the
-    # other, PBT can only clone the leader's final epoch, which leaves nothing to train.)
-    if start["from_epoch"] < 5:
-        metrics = {m["epoch"]: m for m in _jsonl(tmp_path / name / "trials" / trial_id /
-                                                  "metrics.jsonl")}
-        assert metrics[start["from_epoch"] + 1].get("resumed_from") == start["from_epoch"]
+    # ...and resumed there: its first epoch is the next one.
+    metrics = {m["epoch"]: m for m in _jsonl(tmp_path / name / "trials" / trial_id /
+                                              "metrics.jsonl")}
+    assert metrics[start["from_epoch"] + 1].get("resumed_from") == start["from_epoch"]
 
 
 # ---------------------------------------------------------------------------- without Ray
