@@ -464,10 +464,12 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
                             f"{cfg.optim.epochs}; rerun the same command to resume")
     model_path = export_model(cfg.run_dir, result.checkpoint)
     report.plot_curves(cfg.run_dir, rows)
-    first = [r for r in rows if r.get("first_step_at", 0) > started_at]  # this attempt's
+    # The first epoch this command trained (a worker group restarted after a failure adds a
+    # later first_step_at; a resumed run's earlier rows are older than started_at).
+    first = [r for r in rows if r.get("first_step_at", 0) > started_at]
     return Summary(cfg.run_dir, rows, time.time() - started_at,
-                   first[-1]["first_step_at"] - started_at if first else None, model_path,
-                   report.startup_phases(started_at, driver, first[-1]) if first else None)
+                   first[0]["first_step_at"] - started_at if first else None, model_path,
+                   report.startup_phases(started_at, driver, first[0]) if first else None)
 
 
 def export_model(run_dir: str, ckpt) -> str | None:
