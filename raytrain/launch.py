@@ -129,9 +129,10 @@ def start_state_actor() -> None:
     running cluster this finds the one there."""
     try:
         from ray.train.v2._internal.state.state_actor import get_or_create_state_actor
-    except ImportError:  # another Ray version: its controller starts it
-        return
-    get_or_create_state_actor()
+
+        get_or_create_state_actor()
+    except Exception:  # another Ray version, a cluster without a head resource: the
+        pass           # controller starts it as before; only sooner is lost
 
 
 def start_head() -> str:
