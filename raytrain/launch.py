@@ -186,14 +186,15 @@ def check_data(cfg: TrainConfig) -> None:
         load_dataset(cfg.data.dataset, cfg.data.data_dir)
 
 
-def resolve_gpu(cfg: TrainConfig) -> bool:
-    """--use-gpu/--no-gpu, else GPUs if the cluster has them or can autoscale to them."""
+def resolve_gpu(cfg: TrainConfig, groups: list[dict]) -> bool:
+    """--use-gpu/--no-gpu, else GPUs if the cluster has them or can autoscale to them
+    (``groups``: ``autoscaling_groups()``)."""
     import ray
 
     if cfg.cluster.use_gpu is not None:
         return cfg.cluster.use_gpu
     return ray.cluster_resources().get("GPU", 0) > 0 or \
-        any(g["resources"].get("GPU", 0) > 0 for g in autoscaling_groups())
+        any(g["resources"].get("GPU", 0) > 0 for g in groups)
 
 
 def autoscaling_groups() -> list[dict]:
@@ -245,19 +246,21 @@ def bootstrap_groups(path: str) -> list[dict]:
 
 
 class Shape(NamedTuple):
+    use_gpu: bool  # the workers take a GPU each (resolve_gpu)
     one_host: bool  # one node, and no node type to add
     can_grow: bool  # an autoscaler can add nodes the workers fit on
 
 
-def preflight(cfg: TrainConfig, use_gpu: bool) -> Shape:
+def preflight(cfg: TrainConfig) -> Shape:
     """Fail within seconds when the cluster cannot place the workers: Ray itself would retry
     forever. An autoscaling cluster, or an elastic MIN:MAX run, gets --wait-timeout to grow,
     with a visible message; an impossible request fails at once either way."""
     import ray
 
     c = cfg.cluster
-    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
     groups = autoscaling_groups()
+    use_gpu = resolve_gpu(cfg, groups)
+    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
     can_grow = any(_fits(g["resources"], need) for g in groups)
     if groups:  # nodes that join later are other hosts: a local path would be split
         check_storage_for_multinode(cfg.run.storage_path, [
@@ -286,7 +289,7 @@ def preflight(cfg: TrainConfig, use_gpu: bool) -> Shape:
         time.sleep(min(5.0, left))
     _clear_request(requested)  # the workers' placement group now holds what they need
     check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
-    return Shape(one_host=len(alive) == 1 and not groups, can_grow=can_grow)
+    return Shape(use_gpu=use_gpu, one_host=len(alive) == 1 and not groups, can_grow=can_grow)
 
 
 def _clear_request(requested: bool) -> None:
@@ -365,7 +368,7 @@ def latest_checkpoint_epoch(run_dir: str) -> int:
 # ---------------------------------------------------------------------------- training
 
 
-def build_trainer(cfg: TrainConfig, use_gpu: bool, shape: Shape, callbacks: list | None = None,
+def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                   driver_outlives_run: bool = False):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
     (``trainer.py``)."""
@@ -380,9 +383,9 @@ def build_trainer(cfg: TrainConfig, use_gpu: bool, shape: Shape, callbacks: list
         train_loop_per_worker,
         fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
         train_loop_config=cfg.to_flat(),
-        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=use_gpu,
+        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=shape.use_gpu,
                                      resources_per_worker={"CPU": c.cpus_per_worker}
-                                     | ({"GPU": 1} if use_gpu else {})),
+                                     | ({"GPU": 1} if shape.use_gpu else {})),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints,
@@ -434,8 +437,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         ) -> Summary:
     """Run one training job on the connected cluster and write the run files."""
     connected_at = time.time()
-    use_gpu = resolve_gpu(cfg)
-    shape = preflight(cfg, use_gpu)
+    shape = preflight(cfg)
     train_env(shape)
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
     model_path = os.path.join(cfg.run_dir, "model.pt")
@@ -446,7 +448,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
-    trainer = build_trainer(cfg, use_gpu, shape)
+    trainer = build_trainer(cfg, shape)
     driver = [("Ray up", connected_at), ("preflight", time.time())]
     with report.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
         try:

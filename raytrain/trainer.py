@@ -40,8 +40,7 @@ class Trainer(TorchTrainer):
     """``TorchTrainer`` without the actors above. ``fixed_cluster``: the cluster cannot grow;
     ``driver_outlives_run``: keep the placement-group cleaner (Tune trials)."""
 
-    def __init__(self, *args, fixed_cluster: bool = False, driver_outlives_run: bool = True,
-                 **kwargs):
+    def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.fixed_cluster = fixed_cluster
         self.driver_outlives_run = driver_outlives_run

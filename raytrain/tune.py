@@ -101,13 +101,12 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     from ray import tune
 
     check(cfg)
-    use_gpu = launch.resolve_gpu(cfg)
-    shape = launch.preflight(cfg, use_gpu)
+    shape = launch.preflight(cfg)
     exp_dir = cfg.run_dir
     base = prepare_exp_dir(cfg, resume, fresh)
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, base=base, use_gpu=use_gpu, shape=shape), TRIAL_RESOURCES)
-    concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, use_gpu)
+        tune.with_parameters(run_trial, base=base, shape=shape), TRIAL_RESOURCES)
+    concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, shape.use_gpu)
     if tune.Tuner.can_restore(exp_dir):
         print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)
         tuner = tune.Tuner.restore(exp_dir, trainable=trainable)
@@ -368,8 +367,7 @@ class Progress(_progress_base()):
 # ---------------------------------------------------------------------------- trial
 
 
-def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool,
-              shape: launch.Shape) -> None:
+def run_trial(config: dict[str, Any], base: dict[str, Any], shape: launch.Shape) -> None:
     """One Tune trial: a TorchTrainer for this trial's lr and batch size, run to the end."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -395,7 +393,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], use_gpu: bool,
         ray.tune.report(metrics)
         return
     forward = ForwardReports() if base["scheduler"] == "pbt" else None
-    trainer = launch.build_trainer(cfg, use_gpu, shape, driver_outlives_run=True, callbacks=[
+    trainer = launch.build_trainer(cfg, shape, driver_outlives_run=True, callbacks=[
         launch.RunFiles(trial_dir), forward or TuneReportCallback(),
         RecordPlacementGroup(os.path.join(trial_dir, PG_FILE))])
     if start:
