@@ -159,6 +159,17 @@ def _fit_on(disk, address: str, *args: str) -> tuple[list[str], subprocess.Popen
     return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _fails_on_full_disk(proc, disk, what: str) -> None:
+    """``proc`` ends with exit 1 and exactly one line on stderr: ``what`` failed on the full
+    ``disk``, the epoch 2 checkpoint is intact, how to go on; no traceback."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out + err
+    assert err == (f"raytrain: error: {what}: [Errno 28] No space left on device "
+                   f"(--storage-path {disk}); the epoch 2 checkpoint is intact; free space "
+                   "and rerun the same command to resume\n")
+    assert "Traceback" not in out
+
+
 def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
         ray_cluster, tmp_path):
     with small_tmpfs(tmp_path / "disk", "6m") as disk:
@@ -169,12 +180,7 @@ def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
         saved = state.read_bytes()
         fill(disk, leave=128 * 1024)  # room for metrics lines, not for a checkpoint
         assert len(saved) > 3 * 128 * 1024
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 1, out + err
-        assert err == (f"raytrain: error: checkpoint save failed at epoch 4: [Errno 28] No "
-                       f"space left on device (--storage-path {disk}); the epoch 2 checkpoint "
-                       "is intact; free space and rerun the same command to resume\n")
-        assert "Traceback" not in out
+        _fails_on_full_disk(proc, disk, "checkpoint save failed at epoch 4")
         assert state.read_bytes() == saved
         assert torch.load(state, weights_only=True)["epoch"] == 2
         assert not (run_dir / "checkpoint_epoch_0004").exists()  # no partial checkpoint
@@ -203,12 +209,7 @@ def test_full_disk_on_metrics_write_stops_the_run_and_keeps_what_was_saved(
         _wait_for_epoch(run_dir, 2, proc)
         before = (run_dir / "metrics.jsonl").read_bytes()
         fill(disk, leave=0)  # epoch 3 saves no checkpoint: its metrics are the next write
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 1, out + err
-        assert err == (f"raytrain: error: writing the run files failed: [Errno 28] No space "
-                       f"left on device (--storage-path {disk}); the epoch 2 checkpoint is "
-                       "intact; free space and rerun the same command to resume\n")
-        assert "Traceback" not in out
+        _fails_on_full_disk(proc, disk, "writing the run files failed")
         assert (run_dir / "metrics.jsonl").read_bytes() == before
         assert [r["epoch"] for r in _rows(run_dir)] == [1, 2]
         assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
