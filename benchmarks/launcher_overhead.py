@@ -6,14 +6,22 @@ first step. Paired, alternating runs; medians; ratios raytrain/torchrun.
     python benchmarks/launcher_overhead.py --mode cold --pairs 7
     python benchmarks/launcher_overhead.py --mode warm --address 10.0.0.5:6379   # your cluster
 
-The job (both sides): the seed CNN, 2 CPU workers, 64 images per worker per step (raytrain's
---batch-size is global: 128), SGD lr 0.001 momentum 0.9, constant lr, no augmentation,
-3 epochs of 6,400 CIFAR-shaped synthetic images (the same pixels on both sides):
+The job (both sides): the seed's Net (conv 3->32, conv 32->64, fc 4096->512->10; 7.7M
+multiply-adds per image), 2 CPU workers, 64 images per worker per step (raytrain's
+--batch-size is global: 128), SGD lr 0.001 momentum 0.9, no weight decay, constant lr, no
+augmentation, ToTensor() inputs, 3 epochs of 6,400 CIFAR-shaped synthetic images (the same
+pixels on both sides):
 
   (a) torchrun --standalone --nproc_per_node 2 benchmarks/seed_ddp.py --epochs 3 --train-size 6400
+          --batch-size 64 --loader-workers 0
   (b) python -m raytrain.fit --num-workers 2 --model seed-cnn --dataset synthetic
           --synthetic-size 6400 --batch-size 128 --epochs 3 --lr 0.001 --lr-schedule constant
-          --no-augment --storage-path TMP --name UNIQUE   [+ --address ADDR in warm mode]
+          --no-augment --normalize none --weight-decay 0 --storage-path TMP --name UNIQUE
+          [+ --address ADDR in warm mode]
+
+The seed's DataLoader had num_workers=4; on 2 cores that is the slower choice (3 epochs x 3,200
+images, 2 ranks: 261 images/s per worker with 4 loader processes per rank, 667 with 0, measured
+2026-12-03 on a loaded machine), so the baseline runs with 0: the comparison favours torchrun.
 
 Cold mode (default part 1): each pair runs (a) and (b) back to back, alternating which goes
 first (pair 0: torchrun first, pair 1: raytrain first, ...) so slow drift of the machine hits
@@ -138,7 +146,7 @@ def torchrun_cmd(args) -> list[str]:
     return launcher + ["--standalone", f"--nproc_per_node={WORKERS}",
                        os.path.join(HERE, "seed_ddp.py"), "--epochs", str(args.epochs),
                        "--train-size", str(args.train_size),
-                       "--batch-size", str(PER_WORKER_BATCH)]
+                       "--batch-size", str(PER_WORKER_BATCH), "--loader-workers", "0"]
 
 
 def raytrain_cmd(args, storage: str, name: str, address: str | None) -> list[str]:
@@ -147,6 +155,7 @@ def raytrain_cmd(args, storage: str, name: str, address: str | None) -> list[str
            "--synthetic-size", str(args.train_size),
            "--batch-size", str(PER_WORKER_BATCH * WORKERS), "--epochs", str(args.epochs),
            "--lr", "0.001", "--lr-schedule", "constant", "--no-augment",
+           "--normalize", "none", "--weight-decay", "0",
            "--storage-path", storage, "--name", name]
     if address:
         cmd += ["--address", address]

@@ -1,25 +1,27 @@
-"""The seed's hand-written DDP recipe, as users write it, fixed so it runs: the baseline.
+"""The seed's hand-written DDP script under torchrun, fixed only where it cannot run: the baseline.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/seed_ddp.py            # 3 x 6,400 images
     torchrun --standalone --nproc_per_node 2 benchmarks/seed_ddp.py --quick    # smoke test
     python benchmarks/seed_ddp.py --quick      # no torchrun: re-launches itself under torchrun
 
-What it is: the seed script's shape, kept deliberately plain (no raytrain import). torchrun
-starts one process per worker; each joins a process group (gloo on CPU, nccl with CUDA), wraps
-the seed CNN (conv(3,6,5)-pool-conv(6,16,5)-pool-fc120-fc84-fc10) in DDP and trains it with
-SGD(lr 0.001, momentum 0.9), batch 64 *per worker*, a ``DistributedSampler`` with
-``set_epoch(epoch)``, ``DataLoader(num_workers=0)``, ``loss.item()`` every step for the running
-loss and a log line every 100 batches on rank 0; rank 0 prints the test accuracy at the end.
-What the seed got wrong and is fixed here: ``rank``/``device`` were undefined (now read from
-torchrun's LOCAL_RANK/RANK/WORLD_SIZE), nccl was hard-coded (gloo when there is no GPU).
+What it is: the seed script (../shared/seeds/000_*.txt), kept plain (no raytrain import).
+torchrun starts one process per worker; each joins a process group, wraps the seed's ``Net``
+(conv 3->32 3x3 pad 1, ReLU, max-pool; conv 32->64 3x3 pad 1, ReLU, max-pool; fc 4096->512,
+ReLU; fc 512->10) in DDP and trains it with ``nn.CrossEntropyLoss`` and SGD(lr 0.001, momentum
+0.9), batch 64 *per process*, over ``torchvision.datasets.CIFAR10(transform=ToTensor())`` with a
+``DistributedSampler`` + ``set_epoch(epoch)`` and ``DataLoader(num_workers=4, pin_memory=True)``,
+printing the seed's loss line every 100 batches on every rank (the seed printed on all ranks).
+Fixed where it could not run: ``rank``/``size`` were undefined (now torchrun's
+LOCAL_RANK/RANK/WORLD_SIZE), ``F`` was never imported, NCCL was hard-coded (gloo without a GPU),
+``download=True`` needs the internet (the CIFAR-10 files are written locally, see below),
+``pin_memory`` only with CUDA. ``x.view(-1, 64*8*8)`` is kept as the seed wrote it.
 
 Data (no download possible): CIFAR-shaped synthetic images drawn exactly as raytrain's
 ``--dataset synthetic`` draws them (uint8, generator seeded 1234, test split = train/5), so both
-sides see the same pixels and labels. ``--data float`` (default) converts them once, up front,
-to normalised float32 (``x/255``, Normalize(0.5, 0.5)) in a ``TensorDataset``: the tutorial's
-``ToTensor() + Normalize`` paid before training, as when a user caches tensors.
-``--data uint8`` keeps the ``TensorDataset`` uint8 and does the same conversion per batch after
-the loader (ToTensor-style work inside the timed loop).
+sides see the same pixels and labels, written by rank 0 in CIFAR-10's on-disk format (pickled
+``data_batch_*``/``test_batch``) and read back by torchvision's own ``CIFAR10`` class, as the
+seed's loader reads the real files: per sample, a PIL image, then ``ToTensor()``.
+``--loader-workers`` (default 4, the seed's) sets the DataLoader processes.
 
 What is measured: per epoch, the wall time of the training loop alone (from iterating the
 loader to the last optimizer step; evaluation excluded, as in raytrain's ``images_per_s``) and
@@ -38,6 +40,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -46,29 +49,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets, transforms
 
 
 class Net(nn.Module):
-    """The seed CNN (copied, like the user's script has it)."""
+    """The seed's network, as the seed wrote it."""
 
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
+    def __init__(self, num_classes=10):
+        super(Net, self).__init__()
+        self.conv1 = nn.Conv2d(3, 32, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(64 * 8 * 8, 512)
+        self.fc2 = nn.Linear(512, num_classes)
 
     def forward(self, x):
-        x = self.pool(F.relu(self.conv1(x)))
-        x = self.pool(F.relu(self.conv2(x)))
-        x = torch.flatten(x, 1)
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = x.view(-1, 64 * 8 * 8)
         x = F.relu(self.fc1(x))
-        x = F.relu(self.fc2(x))
-        return self.fc3(x)
+        x = self.fc2(x)
+        return x
 
 
 def synthetic_cifar(n_train: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,9 +84,28 @@ def synthetic_cifar(n_train: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
 
 
-def to_float(x: torch.Tensor) -> torch.Tensor:
-    """ToTensor() + Normalize((0.5,)*3, (0.5,)*3) on a uint8 batch."""
-    return (x.float() / 255 - 0.5) / 0.5
+def write_cifar_files(root: str, n_train: int) -> None:
+    """The synthetic images in CIFAR-10's on-disk format (what torchvision's download leaves)."""
+    import pickle
+
+    train_x, train_y, test_x, test_y = synthetic_cifar(n_train)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+    chunks = [(f"data_batch_{i + 1}", part) for i, part in
+              enumerate(zip(torch.tensor_split(train_x, 5), torch.tensor_split(train_y, 5)))]
+    for name, (x, y) in chunks + [("test_batch", (test_x, test_y))]:
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump({"data": x.reshape(len(x), -1).numpy(), "labels": y.tolist()}, f)
+    with open(os.path.join(folder, "batches.meta"), "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
+
+
+class LocalCIFAR10(datasets.CIFAR10):
+    """torchvision's CIFAR10 over locally written files: no md5 check (the files are ours)."""
+
+    train_list = [[name, None] for name, _ in datasets.CIFAR10.train_list]
+    test_list = [[name, None] for name, _ in datasets.CIFAR10.test_list]
+    meta = {**datasets.CIFAR10.meta, "md5": None}
 
 
 def parse_args(argv=None):
@@ -91,7 +114,8 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, default=6400, help="synthetic training images")
     p.add_argument("--batch-size", type=int, default=64, help="PER-WORKER batch")
     p.add_argument("--lr", type=float, default=0.001)
-    p.add_argument("--data", choices=("float", "uint8"), default="float")
+    p.add_argument("--loader-workers", type=int, default=4,
+                   help="DataLoader worker processes per rank (the seed's: 4)")
     p.add_argument("--warmup-epochs", type=int, default=1,
                    help="epochs left out of the steady-state figure")
     p.add_argument("--log-every", type=int, default=100)
@@ -130,43 +154,45 @@ def main(argv=None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
-    train_x, train_y, test_x, test_y = synthetic_cifar(args.train_size)
-    if args.data == "float":
-        train_x, test_x = to_float(train_x), to_float(test_x)
-    trainset = TensorDataset(train_x, train_y)
-    sampler = DistributedSampler(trainset)
-    trainloader = DataLoader(trainset, batch_size=args.batch_size, sampler=sampler,
-                             num_workers=0)
+    root = os.path.join(tempfile.gettempdir(), f"seed_ddp_cifar_{args.train_size}_"
+                        f"{os.environ.get('TORCHELASTIC_RUN_ID', os.getppid())}")
+    if rank == 0:
+        write_cifar_files(root, args.train_size)
+    dist.barrier()
+    train_dataset = LocalCIFAR10(root=root, train=True, download=False,
+                                 transform=transforms.ToTensor())
+    train_sampler = DistributedSampler(train_dataset, num_replicas=world, rank=rank)
+    train_loader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=False,
+                              num_workers=args.loader_workers,
+                              pin_memory=device.type == "cuda", sampler=train_sampler,
+                              persistent_workers=args.loader_workers > 0)
 
-    net = Net().to(device)
-    ddp_net = DDP(net, device_ids=[local_rank] if device.type == "cuda" else None)
-    criterion = nn.CrossEntropyLoss()
-    optimizer = optim.SGD(ddp_net.parameters(), lr=args.lr, momentum=0.9)
+    model = Net().to(device)
+    net = model
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss().to(device)
+    optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     per_epoch = []  # (images, seconds) of this worker
     first_step_at = None
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        running_loss, images = 0.0, 0
+        train_sampler.set_epoch(epoch)
+        images = 0
         start = time.perf_counter()
-        for i, (inputs, labels) in enumerate(trainloader):
-            inputs, labels = inputs.to(device), labels.to(device)
-            if args.data == "uint8":
-                inputs = to_float(inputs)
+        for batch_idx, (data, target) in enumerate(train_loader):
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
-            outputs = ddp_net(inputs)
-            loss = criterion(outputs, labels)
+            output = model(data)
+            loss = criterion(output, target)
             loss.backward()
             optimizer.step()
-            running_loss += loss.item()
-            images += len(labels)
+            images += len(target)
             if first_step_at is None:
                 first_step_at = time.time()
-            if args.log_every and i % args.log_every == args.log_every - 1:
-                if rank == 0:
-                    print(f"[{epoch + 1}, {i + 1:5d}] loss: {running_loss / args.log_every:.3f}",
-                          flush=True)
-                running_loss = 0.0
+            if args.log_every and batch_idx % args.log_every == 0:
+                print('Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}'.format(
+                    epoch, batch_idx * len(data), len(train_sampler),
+                    100. * batch_idx / len(train_loader), loss.item()), flush=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -181,23 +207,24 @@ def main(argv=None) -> int:
     dist.all_gather_object(everyone, {"steady": mine, "epochs": [n / s for n, s in per_epoch]})
 
     test_acc = None
-    if rank == 0:  # the tutorial's "accuracy of the network on the test images"
-        correct = 0
+    if rank == 0:  # the second seed's "accuracy of the network on the test images"
+        test_dataset = LocalCIFAR10(root=root, train=False, download=False,
+                                    transform=transforms.ToTensor())
+        correct = total = 0
         net.eval()
         with torch.no_grad():
-            for i in range(0, len(test_y), 1000):
-                x = test_x[i:i + 1000]
-                x = (x if args.data == "float" else to_float(x)).to(device)
-                correct += (net(x).argmax(1).cpu() == test_y[i:i + 1000]).sum().item()
-        test_acc = correct / len(test_y)
-        print(f"Accuracy of the network on the {len(test_y)} test images: {100 * test_acc:.1f} %")
+            for data, target in DataLoader(test_dataset, batch_size=1000):
+                correct += (net(data.to(device)).argmax(1).cpu() == target).sum().item()
+                total += len(target)
+        test_acc = correct / total
+        print('Accuracy of the network on the %d test images: %.2f %%' % (total, 100 * test_acc))
     dist.barrier()
     if rank == 0:
         result = {
             "benchmark": "seed_ddp", "world": world, "backend": backend,
             "device": str(device), "threads_per_worker": torch.get_num_threads(),
             "per_worker_batch": args.batch_size, "epochs": args.epochs,
-            "train_size": args.train_size, "data": args.data,
+            "train_size": args.train_size, "loader_workers": args.loader_workers,
             "warmup_epochs": args.warmup_epochs if len(per_epoch) > args.warmup_epochs else 0,
             "images_per_s_per_worker": sum(e["steady"] for e in everyone) / world,
             "steady_images_per_s_by_rank": [round(e["steady"], 1) for e in everyone],
@@ -207,6 +234,8 @@ def main(argv=None) -> int:
         }
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -20,6 +20,8 @@ OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 NAN_POLICIES = ("stop", "skip")
+STEMS = ("auto", "cifar", "imagenet")
+NORMALIZATIONS = ("dataset", "none", "half")
 
 
 class RaytrainError(Exception):
@@ -96,17 +98,20 @@ class ClusterConfig:
 class ModelConfig:
     """What network is trained."""
 
-    model: str = _opt("seed-cnn", "seed-cnn (the seed's 2-conv CNN), small-cnn (a fast "
-                      "BatchNorm CNN), resnet18 (CIFAR stem) or any torchvision classification "
-                      "model name")
+    model: str = _opt("seed-cnn", "seed-cnn (the seed DDP script's Net: 2 convs, fc 4096-512-"
+                      "classes), lenet (LeNet-5, fastest), small-cnn (a fast BatchNorm CNN), "
+                      "resnet18 or any torchvision classification model name")
     pretrained: str | None = _opt(None, "local weights file (state_dict) to start from; the "
                                   "classifier head is replaced to fit the classes")
     compile: bool = _opt(False, "torch.compile the model (worth it on GPUs for long runs)")
+    stem: str = _opt("auto", "ResNets' stem: cifar (conv1 stride 1, no max-pool), imagenet "
+                     "(torchvision's), auto = cifar for images <= 64 px", choices=STEMS)
 
     def __post_init__(self) -> None:
         from raytrain.models import check_model_name
 
         check_model_name(self.model)
+        _check(self.stem in STEMS, "stem", self.stem, "one of " + ", ".join(STEMS))
         if self.pretrained is not None:
             _check(os.path.isfile(self.pretrained), "pretrained", self.pretrained,
                    "an existing weights file")
@@ -122,9 +127,14 @@ class DataConfig:
     augment: bool | None = _opt(None, "random crop (pad 4) + horizontal flip where labels allow "
                                 "it (default: on for cifar, crop only for digits, off for synthetic)")
     synthetic_size: int = _opt(6400, "training images in --dataset synthetic")
+    normalize: str = _opt("dataset", "input scaling: dataset = subtract the dataset's mean, "
+                          "divide by its std; none = ToTensor()'s [0, 1]; half = "
+                          "Normalize(0.5, 0.5)'s [-1, 1]", choices=NORMALIZATIONS)
 
     def __post_init__(self) -> None:
         _check(self.dataset in DATASETS, "dataset", self.dataset, "one of " + ", ".join(DATASETS))
+        _check(self.normalize in NORMALIZATIONS, "normalize", self.normalize,
+               "one of " + ", ".join(NORMALIZATIONS))
         _check(self.synthetic_size >= 1, "synthetic_size", self.synthetic_size, "a number >= 1")
         if self.data_dir is not None:
             _check(os.path.isdir(self.data_dir), "data_dir", self.data_dir, "an existing directory")
@@ -303,7 +313,8 @@ class TrainConfig:
         if self.model.pretrained:  # load it once here so a bad file fails before Ray starts
             from raytrain.models import build_model
 
-            build_model(self.model.model, NUM_CLASSES[self.data.dataset], self.model.pretrained)
+            build_model(self.model.model, NUM_CLASSES[self.data.dataset], self.model.pretrained,
+                        self.model.stem)
 
     @property
     def per_worker_batch(self) -> int:

@@ -33,6 +33,16 @@ class Dataset:
     std: tuple[float, ...]
     flip_ok: bool  # horizontal flips keep the label (true for photos, not for digits)
 
+    def normalization(self, how: str = "dataset") -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(mean, std) for ``--normalize``: the dataset's own, none (ToTensor's [0, 1]) or
+        half (the seeds' Normalize((0.5,)*3, (0.5,)*3): [-1, 1])."""
+        channels = len(self.mean)
+        if how == "none":
+            return (0.0,) * channels, (1.0,) * channels
+        if how == "half":
+            return (0.5,) * channels, (0.5,) * channels
+        return self.mean, self.std
+
     def to(self, device: torch.device) -> "Dataset":
         move = {k: getattr(self, k).to(device, non_blocking=True)
                 for k in ("train_x", "train_y", "test_x", "test_y")}

@@ -16,8 +16,8 @@ import torch
 from raytrain.config import DATASETS, ConfigError, RaytrainError
 
 
-def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None
-                  ) -> dict[str, float]:
+def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None,
+                  stem: str = "auto", normalize: str = "dataset") -> dict[str, float]:
     from raytrain import checkpoint
     from raytrain.data import Augment, load_dataset
     from raytrain.loop import Worker, evaluate
@@ -27,7 +27,7 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
         path = os.path.join(path, "model.pt")
     weights = checkpoint.model_weights(path)
     data = load_dataset(dataset, data_dir)
-    model = build_model(model_name, data.num_classes)
+    model = build_model(model_name, data.num_classes, stem=stem)
     try:
         model.load_state_dict(weights)
     except RuntimeError as err:
@@ -36,7 +36,7 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
                             f"({first[1].strip() if len(first) > 1 else first[0]})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    loss, correct, n = evaluate(model, data.to(device), Augment(data.mean, data.std, device),
+    loss, correct, n = evaluate(model, data.to(device), Augment(*data.normalization(normalize), device),
                                 None, Worker(0, 0, 1, device))
     return {"test_loss": loss / n, "test_acc": correct / n, "test_count": int(n)}
 
@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model or saved.get("model", "seed-cnn")
         if dataset not in DATASETS:
             raise ConfigError("dataset", dataset, "one of " + ", ".join(DATASETS))
-        result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"))
+        result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"),
+                               saved.get("stem", "auto"), saved.get("normalize", "dataset"))
     except RaytrainError as err:
         print(f"raytrain: error: {err}", file=sys.stderr)
         return 2

@@ -165,7 +165,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         torch.backends.cudnn.benchmark = True
     data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size).to(device)
     startup["data"] = time.time()
-    model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained)
+    model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained, cfg.model.stem)
     ddp = prepare_model(model, worker, compile=cfg.model.compile)
     startup["model"] = time.time()
     amp_dtype = autocast_dtype(o.precision, device)
@@ -176,7 +176,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
     scheduler = make_scheduler(optimizer, cfg, steps * o.epochs)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     augment = cfg.data.augment if cfg.data.augment is not None else cfg.data.dataset != "synthetic"
-    aug = Augment(data.mean, data.std, device, crop_pad=4 if augment else 0,
+    aug = Augment(*data.normalization(cfg.data.normalize), device, crop_pad=4 if augment else 0,
                   flip=augment and data.flip_ok, channels_last=True)
     done, step = 0, 0
     if resume is not None:
@@ -287,8 +287,8 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
         sums[:2] += torch.stack([loss.detach().double() * len(y), correct.double()])
         count += len(y)
         first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
-        if worker.master and cfg.run.log_every and (i + 1) % cfg.run.log_every == 0:
-            log_line(cfg, f"[epoch {epoch}, batch {i + 1:5d}/{steps}] loss: {loss.item():.3f}")
+        if worker.master and cfg.run.log_every and i % cfg.run.log_every == 0:
+            log_line(cfg, seed_log_line(epoch, i, len(y), len(shard), steps, loss.item()))
         if i == 0:
             _sync(device)
             first_step_at = time.time()
@@ -369,6 +369,15 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: list[float], optimize
                             f"{train['first_bad_step']} of {train['steps']}; lower --lr "
                             "or use --nan-policy skip")
     return metrics
+
+
+def seed_log_line(epoch: int, step: int, batch: int, shard: int, steps: int, loss: float
+                  ) -> str:
+    """The seed DDP script's progress line, in its own format: images this rank has seen of
+    its shard (``len(train_sampler)``), the share of its steps done, the batch's loss. Only
+    the epoch differs: it counts from 1, as raytrain's epoch lines do (the seed's from 0)."""
+    return "Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
+        epoch, step * batch, shard, 100.0 * step / steps, loss)
 
 
 def log_line(cfg: TrainConfig, text: str) -> None:

@@ -1,7 +1,8 @@
 """Model registry. Models know nothing about distribution: no rank, no DDP here.
 
-``resnet18`` is torchvision's ResNet-18 with a CIFAR stem: conv1 at stride 1 and no max-pool,
-so 32x32 inputs keep their resolution. conv1 keeps torchvision's 7x7 shape, so the state_dict
+``seed-cnn`` is the seed DDP script's ``Net``; ``lenet`` LeNet-5. Torchvision ResNets (``resnet18``
+...) get a CIFAR stem on small images (``--stem``): conv1 at stride 1 and no max-pool, so 32x32
+inputs keep their resolution. conv1 keeps torchvision's 7x7 shape, so the state_dict
 is key-for-key and shape-for-shape torchvision's: ``torchvision.models.resnet18(num_classes=10)
 .load_state_dict(torch.load("model.pt"))`` accepts it, and ImageNet weights load into it.
 """
@@ -11,15 +12,41 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from raytrain.config import ConfigError
 
-CUSTOM = ("small-cnn", "seed-cnn", "resnet18")
+CUSTOM = ("seed-cnn", "lenet", "small-cnn", "resnet18")
 
 
 class SeedCNN(nn.Module):
-    """The seed DDP script's network: two 5x5 convs, three linear layers (LeNet-5 shape)."""
+    """The seed DDP script's ``Net``, layer for layer: conv 3->32 3x3 pad 1, ReLU, max-pool 2;
+    conv 32->64 3x3 pad 1, ReLU, max-pool 2; fc 64*8*8 -> 512, ReLU; fc 512 -> classes.
+
+    About 7.7M multiply-adds per 32x32 image (2.1M parameters in ``fc1`` alone). The seed's
+    ``x.view(-1, 64*8*8)`` is ``torch.flatten(x, 1)`` here: the same values, and it also
+    accepts channels_last activations (``view`` would refuse them).
+    """
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(64 * 8 * 8, 512)
+        self.fc2 = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(torch.flatten(x, 1)))
+        return self.fc2(x)
+
+
+class LeNet(nn.Module):
+    """LeNet-5 (PyTorch's CIFAR-10 tutorial net): conv 3->6 5x5, conv 6->16 5x5, fc
+    400->120->84->classes; about 0.65M multiply-adds per image. raytrain's ``seed-cnn`` was
+    this network until 2026-12-03; kept as ``lenet``, the fastest model here."""
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
@@ -65,13 +92,17 @@ class SmallCNN(nn.Module):
         return self.head(torch.amax(x, dim=(2, 3)))
 
 
-def resnet18_cifar(num_classes: int = 10) -> nn.Module:
+def apply_stem(model: nn.Module, stem: str, image_size: int) -> None:
+    """ResNet family: ``cifar`` = conv1 at stride 1 and no max-pool, so small images keep
+    their resolution (conv1 keeps its 7x7 shape: the weights stay torchvision's, key for key);
+    ``imagenet`` = torchvision's own stem; ``auto`` = cifar for images of 64 px or less."""
     import torchvision
 
-    model = torchvision.models.resnet18(num_classes=num_classes)
-    model.conv1.stride = (1, 1)
-    model.maxpool = nn.Identity()
-    return model
+    if not isinstance(model, torchvision.models.ResNet):
+        return
+    if stem == "cifar" or (stem == "auto" and image_size <= 64):
+        model.conv1.stride = (1, 1)
+        model.maxpool = nn.Identity()
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,24 +114,27 @@ def torchvision_names() -> tuple[str, ...]:
 
 def check_model_name(name: str) -> None:
     if name not in CUSTOM and name not in torchvision_names():
-        shown = ", ".join(CUSTOM + tuple(n for n in torchvision_names() if n.startswith("res")))
+        shown = ", ".join(CUSTOM + tuple(n for n in torchvision_names()
+                                         if n.startswith("res") and n not in CUSTOM))
         raise ConfigError("model", name, f"one of {shown}, ... (any torchvision "
                           "classification model; see torchvision.models.list_models())")
 
 
-def build_model(name: str, num_classes: int, pretrained: str | None = None) -> nn.Module:
+def build_model(name: str, num_classes: int, pretrained: str | None = None,
+                stem: str = "auto", image_size: int = 32) -> nn.Module:
     """A fresh model for ``num_classes``; with ``pretrained``, its weights minus the head."""
     check_model_name(name)
     if name == "small-cnn":
         model = SmallCNN(num_classes)
     elif name == "seed-cnn":
         model = SeedCNN(num_classes)
-    elif name == "resnet18":
-        model = resnet18_cifar(num_classes)
+    elif name == "lenet":
+        model = LeNet(num_classes)
     else:
         import torchvision
 
         model = torchvision.models.get_model(name, num_classes=num_classes)
+        apply_stem(model, stem, image_size)
     if pretrained:
         load_pretrained(model, pretrained)
     return model

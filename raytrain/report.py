@@ -176,6 +176,18 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def accuracy_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The final and best test accuracy, then the seed scripts' own closing line."""
+    final = rows[-1]
+    best = max(rows, key=lambda r: r["test_acc"])
+    lines = [f"final test_acc {final['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
+             f"{best['epoch']}), test_loss {final['test_loss']:.4f}"]
+    if final.get("test_count"):
+        lines.append("Accuracy of the network on the %d test images: %.2f %%"
+                     % (final["test_count"], 100 * final["test_acc"]))
+    return lines
+
+
 def plot_curves(run_dir: str, rows: list[dict[str, Any]]) -> str | None:
     """learning_curves.png: loss and accuracy vs epoch, train and test."""
     if not rows:
@@ -215,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytrain: error: {args.run_dir}: no metrics.jsonl", file=sys.stderr)
         return 2
     print(summary_table(rows))
+    print("\n".join(accuracy_lines(rows)))
     print(f"plot: {plot_curves(args.run_dir, rows)}")
     return 0
 

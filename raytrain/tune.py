@@ -468,7 +468,7 @@ def retarget(state: dict[str, Any], cfg: TrainConfig) -> dict[str, Any]:
 
     data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size)
     steps = steps_per_epoch(len(data.train_y), cfg.cluster.max_workers, cfg.per_worker_batch)
-    model = build_model(cfg.model.model, NUM_CLASSES[cfg.data.dataset])
+    model = build_model(cfg.model.model, NUM_CLASSES[cfg.data.dataset], stem=cfg.model.stem)
     optimizer = make_optimizer(model, cfg)
     schedule = make_scheduler(optimizer, cfg, steps * cfg.optim.epochs)
     done = state["epoch"]
