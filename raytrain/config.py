@@ -180,7 +180,7 @@ class RunSettings:
     storage_path: str = _opt("./runs", "where run directories and checkpoints live (shared "
                              "storage for multi-node runs)")
     seed: int = _opt(0, "seed for weights, shuffling and augmentation")
-    log_every: int = _opt(0, "print a loss line every N batches on rank 0 (0 = off)")
+    log_every: int = _opt(0, "print the seed's loss line every N batches on rank 0 (0 = off)")
     checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
                                  "the end)")
     keep_checkpoints: int = _opt(2, "checkpoints kept: the newest and the best by test_acc")
