@@ -63,7 +63,7 @@ def replay(curves, metric: str, rf: int, grace: int, slots: int, startup_s: floa
         now, i, epoch = heapq.heappop(events)
         spent[i] = epoch
         action = bracket.on_result(_Trial(i), epoch, sign * curves[i][epoch - 1][metric])
-        if late_check and action == TrialScheduler.CONTINUE and fell_behind(bracket, i, epoch):
+        if late_check and action == TrialScheduler.CONTINUE and fell_behind(bracket._rungs, bracket.cutoff, i, epoch):
             action = TrialScheduler.STOP
         if action == TrialScheduler.STOP or epoch >= epochs:
             if waiting:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raytrain.config import RaytrainError
+from raytrain.errors import RaytrainError
 
 FORMAT = "raytrain-checkpoint-v1"
 STATE_FILE = "state.pt"

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import nn
 
-from raytrain.config import ConfigError
+from raytrain.errors import ConfigError
 
 CUSTOM = ("small-cnn", "seed-cnn", "resnet18")
 

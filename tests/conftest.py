@@ -15,9 +15,9 @@ def ray_cluster():
     """A real local Ray cluster with 2 logical CPUs, shut down at the end of the session."""
     import ray
 
-    from raytrain import launch
+    from raytrain.driver.cluster import train_env
 
-    launch.train_env()
+    train_env()
     ctx = ray.init(address="local", num_cpus=2, logging_level="WARNING")
     yield ctx
     ray.shutdown()

@@ -29,8 +29,8 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raytrain import launch
-from raytrain.cluster import check_storage_for_multinode
+from raytrain.driver import cluster as driver_cluster
+from raytrain.driver.preflight import check_storage_for_multinode
 from raytrain.config import RaytrainError
 from tests.conftest import end_processes
 
@@ -166,7 +166,7 @@ class LocalCluster:
         self.head_env, self.head_argv = _start_parts(config["head_start_ray_commands"][-1])
         self.node_env, self.node_argv = _start_parts(config["worker_start_ray_commands"][-1])
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(launch.CONTROLLER_ENV, PATH=BIN + os.pathsep + env.get("PATH", ""),
+        env.update(driver_cluster.CONTROLLER_ENV, PATH=BIN + os.pathsep + env.get("PATH", ""),
                    RAY_AUTH_TOKEN_PATH=str(token))  # this cluster's token, not ~/.ray's
         self.env = env
         self.client_env = {**env, "RAY_AUTH_MODE": "token"}  # as docs/cluster.md says

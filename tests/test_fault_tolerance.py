@@ -15,7 +15,7 @@ import torch
 
 from raytrain import fit
 from raytrain.config import TrainConfig
-from raytrain.loop import Worker, run_worker
+from raytrain.worker.loop import Worker, run_worker
 
 # ~1.5 s epochs on this 2-core machine: long enough to kill a process mid-run.
 SLOW = ["--dataset", "synthetic", "--synthetic-size", "16000", "--batch-size", "128",

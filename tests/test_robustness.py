@@ -18,7 +18,9 @@ import pytest
 import torch
 import yaml
 
-from raytrain import fit, launch, report
+from raytrain import fit, report
+from raytrain.driver import preflight
+from raytrain.driver.run import latest_checkpoint_epoch
 from tests.test_cluster import AWS, ONPREM, LocalCluster
 from tests.test_fault_tolerance import _wait_for_epoch
 
@@ -145,7 +147,7 @@ def test_latest_checkpoint_ignores_a_checkpoint_without_a_complete_state_file(tm
     torch.save({"w": torch.zeros(1000)}, tmp_path / "checkpoint_epoch_0001" / "state.pt")
     whole = (tmp_path / "checkpoint_epoch_0001" / "state.pt").read_bytes()
     (tmp_path / "checkpoint_epoch_0002" / "state.pt").write_bytes(whole[:len(whole) // 2])
-    assert launch.latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
+    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
 
 
 # digits epochs of ~1 s here: time to fill the disk between one epoch's files and the next's
@@ -187,7 +189,7 @@ def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
         assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
         rows = _rows(run_dir)
         assert [r["epoch"] for r in rows] == [1, 2, 3, 4] and "error" in rows[-1]
-        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+        assert latest_checkpoint_epoch(str(run_dir)) == 2
 
         os.remove(disk / "filler")
         rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -213,7 +215,7 @@ def test_full_disk_on_metrics_write_stops_the_run_and_keeps_what_was_saved(
         assert (run_dir / "metrics.jsonl").read_bytes() == before
         assert [r["epoch"] for r in _rows(run_dir)] == [1, 2]
         assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
-        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+        assert latest_checkpoint_epoch(str(run_dir)) == 2
 
 
 def _rows(run_dir) -> list[dict]:
@@ -313,7 +315,7 @@ def _bootstrap_file(home, config_file):
 
 def test_bootstrap_config_gives_the_node_types_that_can_add_nodes(tmp_path):
     aws = _bootstrap_file(tmp_path, AWS)
-    assert launch.bootstrap_groups(str(aws)) == [  # not the head's type (max_workers 0)
+    assert preflight.bootstrap_groups(str(aws)) == [  # not the head's type (max_workers 0)
         {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 8},
         {"resources": {"CPU": 96.0, "GPU": 8.0}, "max_count": 2}]
     config = json.loads(aws.read_text())
@@ -321,17 +323,17 @@ def test_bootstrap_config_gives_the_node_types_that_can_add_nodes(tmp_path):
     del config["available_node_types"]["gpu.1x-a10g"]["max_workers"]  # defaults to that cap
     config["available_node_types"]["gpu.8x-a100"]["resources"] = {}  # unknown: left out
     aws.write_text(yaml.safe_dump(config))
-    assert launch.bootstrap_groups(str(aws)) == [
+    assert preflight.bootstrap_groups(str(aws)) == [
         {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 3}]
     # on-prem: one type without resources, always all listed machines: nothing to ask for
-    assert launch.bootstrap_groups(str(_bootstrap_file(tmp_path, ONPREM))
+    assert preflight.bootstrap_groups(str(_bootstrap_file(tmp_path, ONPREM))
                                    ) == []
     for broken in ("", "[1, 2]", "max_workers: [", "available_node_types: {a: 1}",
                    "available_node_types: {a: {max_workers: x, resources: {CPU: 1}}}",
                    "available_node_types: {a: {max_workers: 1, resources: {CPU: x}}}"):
         aws.write_text(broken)
-        assert launch.bootstrap_groups(str(aws)) == [], broken
-    assert launch.bootstrap_groups(str(tmp_path / "missing.yaml")) == []
+        assert preflight.bootstrap_groups(str(aws)) == [], broken
+    assert preflight.bootstrap_groups(str(tmp_path / "missing.yaml")) == []
 
 
 # A node type the test's own `add_node` plays the autoscaler for: 1 CPU, 2 of them at most.

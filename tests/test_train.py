@@ -69,7 +69,7 @@ def test_run_directory_holds_config_metrics_plot_and_weights(digits_run):
 def test_run_starts_no_ray_actor_it_does_not_use(digits_run):
     """raytrain passes no Ray Datasets, the local cluster cannot grow, and a plain run's driver
     exits with its placement group: no DatasetManager, autoscaling coordinator or placement
-    group cleaner (raytrain/trainer.py)."""
+    group cleaner (raytrain/ray_compat.py)."""
     started = digits_run.started
     assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= started
     assert not started & {"DatasetManager", "_AutoscalingCoordinatorActor",

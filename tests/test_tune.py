@@ -353,7 +353,7 @@ def test_retarget_remakes_optimizer_and_schedule_for_the_new_lr_and_batch():
     schedule the new config would have had at that epoch, and runs to the end without error."""
     from raytrain import checkpoint
     from raytrain.data import load_dataset, steps_per_epoch
-    from raytrain.loop import make_optimizer, make_scheduler
+    from raytrain.worker.loop import make_optimizer, make_scheduler
 
     donor, new = _cfg(lr=0.05, batch_size=64, epochs=4), _cfg(lr=0.2, batch_size=32, epochs=4)
     n = len(load_dataset("digits").train_y)

@@ -1,16 +1,15 @@
-"""The per-worker training loop. It runs on every Ray Train worker and reads top to bottom.
+"""The per-worker training loop: torch only, no Ray. It reads top to bottom.
 
-``train_loop_per_worker`` is what Ray calls; it reads the rank once and hands everything to
-``run_worker``, which needs no Ray session: under ``torchrun`` or in one plain process (see
-``python -m raytrain.loop --help``) the very same step runs, so a GPU can be timed without Ray.
+``raytrain.worker.ray_entry.train_loop_per_worker`` (what Ray Train calls) reads the rank once
+and hands everything to ``run_worker``; under ``torchrun`` or in one plain process
+(``raytrain.worker.local``, ``python -m raytrain.loop --help``) the very same step runs, so a
+GPU can be timed without Ray.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +23,7 @@ from raytrain import checkpoint
 from raytrain.config import TrainConfig
 from raytrain.data import Augment, Dataset, batches, epoch_shard, eval_shard, load_dataset, \
     steps_per_epoch
+from raytrain.files import EVENTS_FILE, append_jsonl
 from raytrain.models import build_model
 
 EVAL_BATCH = 1024
@@ -46,113 +46,6 @@ class Worker:
 
 # (metrics, training state or None) -> None; the state is given on rank 0 only.
 Reporter = Callable[[dict[str, Any], "dict[str, Any] | None"], None]
-
-
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's entry point: read the context once, then run the loop."""
-    import ray.train
-    import ray.train.torch
-
-    cfg = TrainConfig.from_flat(config)
-    if not cfg.run.verbose:  # Ray Train logs every report at INFO on a logger named by path
-        from ray.train.v2._internal.execution import context as train_context
-
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    ctx = ray.train.get_context()
-    worker = Worker(ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_world_size(),
-                    ray.train.torch.get_device())
-    resume = None
-    if (ckpt := ray.train.get_checkpoint()) is not None:
-        with ckpt.as_directory() as directory:
-            resume = checkpoint.load_state(directory)
-    gauges = RayGauges(cfg.run.name, worker.rank)
-
-    def report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
-        gauges.set(metrics)
-        _ray_report(metrics, state, cfg.run.storage_path, worker.device)
-
-    run_worker(cfg, worker, report, resume)
-
-
-class RayGauges:
-    """raytrain_* metrics on Ray's Prometheus endpoint, tagged by run and worker rank."""
-
-    NAMES = {"train_loss": "raytrain_train_loss", "train_acc": "raytrain_train_acc",
-             "test_loss": "raytrain_test_loss", "test_acc": "raytrain_test_acc",
-             "images_per_s": "raytrain_images_per_second", "epoch": "raytrain_epoch",
-             "lr": "raytrain_lr"}
-
-    def __init__(self, run: str, rank: int):
-        from ray.util.metrics import Gauge
-
-        self.tags = {"run": run, "rank": str(rank)}
-        self.gauges = {key: Gauge(name, description=f"raytrain {key} per epoch",
-                                  tag_keys=("run", "rank"))
-                       for key, name in self.NAMES.items()}
-
-    def set(self, metrics: dict[str, Any]) -> None:
-        for key, gauge in self.gauges.items():
-            gauge.set(float(metrics[key]), tags=self.tags)
-
-
-def _ray_report(metrics: dict[str, Any], state: dict[str, Any] | None, storage_path: str,
-                device: torch.device) -> None:
-    """Report an epoch to Ray Train; rank 0, given ``state``, checkpoints it first.
-
-    A checkpoint that cannot be saved (full disk, failing storage) stops the run the way a NaN
-    loss does: every rank reports the epoch with an "error" and returns. So rank 0 copies the
-    checkpoint itself, before report(), and shares the outcome (an all-reduce of one flag over
-    the process group; Ray's broadcast_from_rank_zero is a round trip through an actor).
-    Inside report() the copy runs after the ranks' barrier and raises on rank 0 alone (Ray
-    2.60): a partial checkpoint directory is left, the worker group is restarted
-    --max-failures times to fail the same way, and rank 0 cannot report again (report() would
-    wait forever for the failed index).
-    """
-    import ray.train
-
-    name = f"checkpoint_epoch_{metrics['epoch']:04d}"
-    saved = error = None
-    if state is not None:
-        saved, error = _save_checkpoint(state, name, metrics["epoch"], storage_path)
-    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
-    all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():  # run_worker stops on it; rank 0's metrics (the message) are recorded
-        metrics["error"] = error or "checkpoint save failed on rank 0"
-    ray.train.report(metrics, checkpoint=saved, checkpoint_dir_name=name,
-                     checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
-
-
-def _save_checkpoint(state: dict[str, Any], name: str, epoch: int, storage_path: str):
-    """Rank 0: ``state`` into the run's storage as checkpoint ``name``. Returns (checkpoint,
-    None), or (None, a one-line error) with no partial directory left and earlier ones as
-    they were."""
-    import ray.train
-
-    # get_storage() is a DeveloperAPI; persist_current_checkpoint() is the very copy (pyarrow:
-    # local path, NFS, s3://, gs://) that report() makes of a checkpoint it is given.
-    storage = ray.train.get_context().get_storage()
-    target = storage.build_checkpoint_path_from_name(name)
-    for attempt in range(3):
-        try:
-            with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
-                checkpoint.save(state, directory)
-                return storage.persist_current_checkpoint(
-                    ray.train.Checkpoint.from_directory(directory), name), None
-        except OSError as err:
-            try:
-                storage.storage_filesystem.delete_dir(target)
-            except OSError:  # nothing was created
-                pass
-            if "AWS Error" in str(err) and attempt < 2:  # S3 throttling: Ray's report()
-                time.sleep(2 ** attempt)                 # retries it 3 times, so do we
-                continue
-            last = ray.train.get_checkpoint()  # the latest saved (or resumed from)
-            base = os.path.basename(last.path.rstrip("/")) if last is not None else ""
-            done = base.removeprefix("checkpoint_epoch_")
-            kept = (f"the epoch {int(done)} checkpoint is intact" if done.isdigit() else
-                    f"{base} is intact" if base else "no checkpoint was saved before it")
-            return None, checkpoint.storage_failure(f"checkpoint save failed at epoch {epoch}",
-                                                    err, storage_path, kept)
 
 
 def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
@@ -377,10 +270,8 @@ def log_line(cfg: TrainConfig, text: str) -> None:
     if not os.path.isdir(cfg.run_dir):  # a node that does not see the run directory
         print(text, flush=True)
         return
-    from raytrain.report import append_event
-
     try:
-        append_event(cfg.run_dir, {"event": "log", "text": text})
+        append_jsonl(os.path.join(cfg.run_dir, EVENTS_FILE), {"event": "log", "text": text})
     except OSError:  # a full disk: the line is not worth failing the run
         print(text, flush=True)
 
@@ -394,47 +285,3 @@ def all_reduce(tensor: torch.Tensor, op=None) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ---------------------------------------------------------------------------- without Ray
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The worker loop without Ray: one process, or one per rank under ``torchrun``.
-
-        python -m raytrain.loop --dataset digits --epochs 3
-        torchrun --standalone --nproc_per_node 2 -m raytrain.loop --model seed-cnn \\
-            --dataset synthetic --batch-size 128 --epochs 3
-
-    Takes raytrain.fit's flags (cluster and run-storage flags are ignored); prints one JSON
-    line of metrics per epoch on rank 0. No checkpoints: it times and checks the real step.
-    """
-    import json
-
-    from raytrain.fit import build_parser, resolve
-
-    cfg = resolve(build_parser().parse_args(argv))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if cfg.cluster.use_gpu is not False
-                          and torch.cuda.is_available() else "cpu")
-    if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    worker = Worker(int(os.environ.get("RANK", "0")), local_rank, world, device)
-
-    def report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
-        if worker.master:
-            print(json.dumps(metrics), flush=True)
-
-    try:
-        run_worker(cfg, worker, report)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
