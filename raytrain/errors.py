@@ -21,6 +21,10 @@ class ConfigError(RaytrainError):
         self.key, self.value, self.accepted = key, value, accepted
         where = f"{key} (in {source})" if source else "--" + key.replace("_", "-")
         super().__init__(f"{where}: got {value!r}; expected {accepted}")
+        self.source = source
+
+    def __reduce__(self):  # raised in a Ray worker or trial, it must unpickle on the driver
+        return type(self), (self.key, self.value, self.accepted, self.source)
 
 
 class TrainingError(RaytrainError):

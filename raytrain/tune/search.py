@@ -64,7 +64,7 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     base = prepare_exp_dir(cfg, resume, fresh)
     reap = ray_compat.can_reap_placement_groups()
     trainable = tune.with_resources(tune.with_parameters(
-        run_trial, base={**base, "reap_placement_groups": reap}, shape=shape), TRIAL_RESOURCES)
+        run_trial, base=base, shape=shape, reap=reap), TRIAL_RESOURCES)
     concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, shape.use_gpu)
     if tune.Tuner.can_restore(exp_dir):
         print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from raytrain import files, ray_compat, report
+from raytrain import files, report
 from raytrain.config import TrainConfig
 from raytrain.driver import run as driver_run
 from raytrain.driver.cluster import train_env
@@ -26,7 +26,8 @@ class TrialFailed(RuntimeError):
     """Raised in a trial so that Tune marks it ERROR (the search goes on)."""
 
 
-def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape) -> None:
+def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: bool = True
+              ) -> None:
     """One Tune trial: a TorchTrainer for this trial's lr and batch size, run to the end."""
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
@@ -53,7 +54,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape) -> Non
         return
     forward = ForwardReports() if base["scheduler"] == "pbt" else None
     callbacks = [driver_run.RunFiles(trial_dir), forward or TuneReportCallback()]
-    if base.get("reap_placement_groups", True) and ray_compat.has_placement_group_table():
+    if reap:  # the driver's PlacementGroupReaper reads what this records
         callbacks.append(RecordPlacementGroup(os.path.join(trial_dir, PG_FILE)))
     trainer = driver_run.build_trainer(cfg, shape, driver_outlives_run=True,
                                        callbacks=callbacks)
