@@ -16,7 +16,6 @@ import os
 import secrets
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from raytrain.driver import cluster as driver_cluster
 from raytrain.driver.preflight import check_storage_for_multinode
 from raytrain.config import RaytrainError
-from tests.conftest import end_processes
+from tests.helpers import end_processes, free_port, metrics
 
 REPO = Path(__file__).resolve().parents[1]
 AWS = REPO / "cluster.yaml"
@@ -67,11 +66,6 @@ def _start_parts(command: str) -> tuple[dict[str, str], list[str]]:
         elif words[:2] == ["ray", "start"]:
             argv = words
     return env, argv
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ---------------------------------------------------------------------------- configs
@@ -133,12 +127,6 @@ def test_onprem_config_shares_every_command_with_the_aws_one():
 # ---------------------------------------------------------------------------- a live cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # Run with the cluster's env: alive and dead nodes (ray.nodes()) and Ray Train worker actors,
 # alive or finished, with the node each ran on (Ray's state API).
 PROBE = """
@@ -170,14 +158,14 @@ class LocalCluster:
                    RAY_AUTH_TOKEN_PATH=str(token))  # this cluster's token, not ~/.ray's
         self.env = env
         self.client_env = {**env, "RAY_AUTH_MODE": "token"}  # as docs/cluster.md says
-        self.port, self.dashboard_port = _free_port(), _free_port()
+        self.port, self.dashboard_port = free_port(""), free_port("")
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
 
     def start_head(self) -> int:
         return self._start(self.head_argv, self.head_env, port=self.port,
                            dashboard_port=self.dashboard_port, include_dashboard="true",
-                           ray_client_server_port=_free_port())
+                           ray_client_server_port=free_port(""))
 
     def add_node(self, **flags) -> int:
         """Start one more node joining the head; returns its session id (see stop_session)."""
@@ -185,7 +173,7 @@ class LocalCluster:
 
     def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
         flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
-                 "dashboard_agent_listen_port": _free_port(), **flags,
+                 "dashboard_agent_listen_port": free_port(""), **flags,
                  "temp_dir": self.base / "ray"}
         machine_bound = ("--port=", "--address=", "--object-manager-port=", "--autoscaling-config=")
         cmd = [shutil.which("ray", path=BIN)]
@@ -271,7 +259,7 @@ def test_fit_runs_one_worker_on_each_of_two_nodes(two_nodes):
                          "--dataset", "digits", "--epochs", "2", "--address", two_nodes.address,
                          "--storage-path", str(storage), "--name", "x"])
     assert out.returncode == 0, out.stdout[-3000:]
-    assert [r["epoch"] for r in _metrics(storage / "x")] == [1, 2]
+    assert [r["epoch"] for r in metrics(storage / "x")] == [1, 2]
     seen = {w["id"] for w in before["workers"]}
     workers = [w for w in two_nodes.probe()["workers"] if w["id"] not in seen]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
@@ -287,7 +275,7 @@ def test_ray_job_submit_runs_raytrain_and_returns_its_exit_status(two_nodes):
                                  "--storage-path", str(storage), "--name", "job"])
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "succeeded" in ok.stdout
-    assert [r["epoch"] for r in _metrics(storage / "job")] == [1]
+    assert [r["epoch"] for r in metrics(storage / "job")] == [1]
     bad = two_nodes.run(submit + ["--num-workers", "0"], timeout=180)  # raytrain exits 2
     assert bad.returncode != 0
     assert "--num-workers: got '0'" in bad.stdout and "exit code 2" in bad.stdout

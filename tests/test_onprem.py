@@ -75,7 +75,7 @@ import pytest
 import ray
 import yaml
 
-from tests.conftest import end_processes
+from tests.helpers import end_processes
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "cluster-onprem.yaml"

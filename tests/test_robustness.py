@@ -3,7 +3,6 @@ a storage file system that fills up (a real tmpfs), an elastic run waiting for a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ from raytrain import fit, report
 from raytrain.driver import preflight
 from raytrain.driver.run import latest_checkpoint_epoch
 from tests.test_cluster import AWS, ONPREM, LocalCluster
-from tests.test_fault_tolerance import _wait_for_epoch
+from tests.helpers import small_tmpfs, wait_for_epoch, wait_gone
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -92,28 +91,11 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
     assert "interrupted after epoch" in out
-    time.sleep(3)
-    alive = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = wait_gone(ray_procs, timeout=3)
     assert not alive, [p.cmdline()[:2] for p in alive]
 
 
 # ---------------------------------------------------------------------------- a full disk
-
-
-@contextlib.contextmanager
-def small_tmpfs(path, size: str):
-    """A real file system of ``size`` at ``path`` (needs root: this machine and CI have it)."""
-    os.makedirs(path)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                              str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:120]}): a real full "
-                    "disk needs mount permission (root)")
-    try:
-        yield path
-    finally:  # lazily if a Ray process still holds a file open in it
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
 def fill(path, leave: int) -> None:
@@ -177,7 +159,7 @@ def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
     with small_tmpfs(tmp_path / "disk", "6m") as disk:
         run_dir = disk / "full"
         cmd, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "6")
-        _wait_for_epoch(run_dir, 2, proc)  # its row is written once its checkpoint is whole
+        wait_for_epoch(run_dir, 2, proc)  # its row is written once its checkpoint is whole
         state = run_dir / "checkpoint_epoch_0002" / "state.pt"
         saved = state.read_bytes()
         fill(disk, leave=128 * 1024)  # room for metrics lines, not for a checkpoint
@@ -208,7 +190,7 @@ def test_full_disk_on_metrics_write_stops_the_run_and_keeps_what_was_saved(
     with small_tmpfs(tmp_path / "disk", "6m") as disk:
         run_dir = disk / "full"
         _, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "4")
-        _wait_for_epoch(run_dir, 2, proc)
+        wait_for_epoch(run_dir, 2, proc)
         before = (run_dir / "metrics.jsonl").read_bytes()
         fill(disk, leave=0)  # epoch 3 saves no checkpoint: its metrics are the next write
         _fails_on_full_disk(proc, disk, "writing the run files failed")
