@@ -90,9 +90,16 @@ def plot_curves(run_dir: str, rows: list[dict[str, Any]]) -> str | None:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
+    return save_figure(fig, run_dir, "learning_curves.png")
+
+
+def save_figure(fig, run_dir: str, name: str) -> str:
+    """``fig``, titled with the run's name, as ``run_dir/name``; returns its path."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
-    path = os.path.join(run_dir, "learning_curves.png")
+    path = os.path.join(run_dir, name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -15,7 +14,7 @@ import torch
 from raytrain import fit
 from raytrain.config import TrainConfig
 from raytrain.worker.loop import Worker, run_worker
-from tests.helpers import metrics, wait_for_epoch
+from tests.helpers import metrics, wait_for_epoch, wait_until
 
 # ~1.5 s epochs on this 2-core machine: long enough to kill a process mid-run.
 SLOW = ["--dataset", "synthetic", "--synthetic-size", "16000", "--batch-size", "128",
@@ -77,7 +76,8 @@ def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path)
     wait_for_epoch(tmp_path / "again", 2, first)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    time.sleep(2)  # let Ray reap the dead driver's actors
+    # Ray reaps the dead driver's actors: its workers' CPUs are free for the next run
+    wait_until(lambda: not _train_workers(address), 60, "the killed run's workers gone")
     second = _driver(address, [*args, "--name", "again"])
     out, _ = second.communicate(timeout=300)
     assert second.returncode == 0, out

@@ -20,8 +20,7 @@ import yaml
 from raytrain import fit, report
 from raytrain.driver import preflight
 from raytrain.driver.run import latest_checkpoint_epoch
-from tests.test_cluster import AWS, ONPREM, LocalCluster
-from tests.helpers import small_tmpfs, wait_for_epoch, wait_gone
+from tests.helpers import AWS, ONPREM, LocalCluster, small_tmpfs, wait_for_epoch, wait_gone
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -230,8 +229,9 @@ def _start_fit(cluster: LocalCluster, *args: str, home=None) -> tuple[subprocess
                                                                else {}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    threading.Thread(target=lambda: lines.extend((time.monotonic(), line.rstrip("\n"))
-                                                 for line in proc.stdout), daemon=True).start()
+    proc.reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), line.rstrip("\n")) for line in proc.stdout), daemon=True)
+    proc.reader.start()
     return proc, lines
 
 
@@ -243,7 +243,7 @@ def test_elastic_run_fails_after_wait_timeout_when_min_workers_never_fit(one_cpu
     proc, lines = _start_fit(one_cpu_head, "--num-workers", "2:3", "--wait-timeout", "4",
                              "--name", "never")
     assert proc.wait(timeout=120) == 2, "\n".join(line for _, line in lines)
-    time.sleep(0.5)  # the reader thread has the last lines
+    proc.reader.join(timeout=30)  # the reader thread has the last lines
     text = [line for _, line in lines]
     assert "Traceback" not in "\n".join(text)
     assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "
@@ -331,7 +331,7 @@ def test_without_autoscaler_config_a_run_that_does_not_fit_fails_at_once(one_cpu
                              "--name", "fixed", home=tmp_path)
     assert proc.wait(timeout=60) == 2, "\n".join(line for _, line in lines)
     assert time.monotonic() - start < 30  # mostly the Python and Ray imports on 2 busy cores
-    time.sleep(0.5)  # the reader thread has the last lines
+    proc.reader.join(timeout=30)  # the reader thread has the last lines
     text = [line for _, line in lines]
     assert not any("waiting for resources" in line for line in text), text
     assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "

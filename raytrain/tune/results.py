@@ -183,12 +183,7 @@ def plot(exp_dir: str, rows: list[dict[str, Any]]) -> str | None:
         ax.grid(alpha=0.3)
     ax_curve.legend(fontsize=7, ncol=2)
     ax_lr.legend(fontsize=8)
-    fig.suptitle(os.path.basename(os.path.normpath(exp_dir)))
-    fig.tight_layout()
-    path = os.path.join(exp_dir, "tune.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, exp_dir, "tune.png")
 
 
 def summary_text(summary: TuneSummary) -> str:
