@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = getattr(args, "debug", False)
     try:
         cfg = resolve(args)
-        from raytrain.driver import console, preflight
+        from raytrain.driver import cluster, console, preflight
+
+        cluster.token_auth_env()  # before anything imports ray (ray_compat.check does)
 
         preflight.check_inputs(cfg, dry_run=getattr(args, "dry_run", False))
         if getattr(args, "dry_run", False):
