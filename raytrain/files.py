@@ -5,29 +5,37 @@ Every writer leaves a file whole or as it was: on a full disk the old content st
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import io
 import json
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 # A run directory's files that more than one side writes or reads.
 EVENTS_FILE = "events.jsonl"  # progress lines and failures: workers/controller write, driver prints
 METRICS_FILE = "metrics.jsonl"  # one row per epoch, written by the controller's RunFiles
 
 
-def atomic_write(path: str, data: str | bytes) -> None:
-    """Replace ``path`` whole or not at all (temp file beside it, then rename)."""
+@contextlib.contextmanager
+def replacing(path: str) -> Iterator[str]:
+    """``with replacing(path) as tmp:`` write ``tmp``; on success it replaces ``path`` whole,
+    on any failure it is removed and ``path`` stays as it was."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def atomic_write(path: str, data: str | bytes) -> None:
+    """Replace ``path`` whole or not at all (temp file beside it, then rename)."""
+    with replacing(path) as tmp, open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -20,7 +20,8 @@ import yaml
 from raytrain import fit, report
 from raytrain.driver import preflight
 from raytrain.driver.run import latest_checkpoint_epoch
-from tests.helpers import AWS, ONPREM, LocalCluster, small_tmpfs, wait_for_epoch, wait_gone
+from tests.helpers import (AWS, ONPREM, LocalCluster, metrics, small_tmpfs, wait_for_epoch,
+                           wait_gone)
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -48,8 +49,7 @@ def test_nan_loss_stops_the_run_naming_epoch_and_step(ray_cluster, tmp_path, cap
     assert rc == 1
     err = capsys.readouterr().err
     assert "loss became NaN/inf at epoch 1, step" in err and "--nan-policy skip" in err
-    with open(tmp_path / "nan" / "metrics.jsonl") as f:
-        assert [json.loads(line)["epoch"] for line in f] == [1]  # stopped, not retried
+    assert [r["epoch"] for r in metrics(tmp_path / "nan")] == [1]  # stopped, not retried
     assert not list((tmp_path / "nan").glob("checkpoint_*"))  # no diverged checkpoint
 
 

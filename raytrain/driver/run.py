@@ -7,7 +7,6 @@ result into run files, exported weights and a summary.
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import time
@@ -203,9 +202,8 @@ def export_model(run_dir: str, ckpt) -> str | None:
     with ckpt.as_directory() as directory:
         weights = checkpoint.model_weights(directory)
     path = os.path.join(run_dir, "model.pt")
-    buffer = io.BytesIO()
-    torch.save(weights, buffer)
-    files.atomic_write(path, buffer.getvalue())
+    with files.replacing(path) as tmp:
+        torch.save(weights, tmp)
     return path
 
 
