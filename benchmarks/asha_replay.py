@@ -2,6 +2,7 @@
 period and reduction factor would have stopped what, without training anything again.
 
     python benchmarks/tune_asha_vs_none.py --seeds 0,1,2,3 --out-dir D   # makes D/none-seedN
+    python benchmarks/asha_replay.py --quick    # smoke test on made-up curves
     python benchmarks/asha_replay.py D/none-seed0 D/none-seed1 D/none-seed2 D/none-seed3
 
 Each argument is a finished ``--scheduler none`` search (every trial ran every epoch). Trials
@@ -44,6 +45,13 @@ def load(exp_dir: str) -> list[list[dict]]:
     return curves
 
 
+def made_up_curves(trials: int = 6, epochs: int = 4) -> list[list[dict]]:
+    """Curves shaped like a search's: trial i learns at rate (i + 1) / trials."""
+    return [[{"epoch": e, "epoch_s": 1.0, "test_loss": 2.3 / (1 + e * (i + 1) / trials),
+              "test_acc": 0.1 + 0.8 * (1 - 1 / (1 + e * (i + 1) / trials))}
+             for e in range(1, epochs + 1)] for i in range(trials)]
+
+
 def replay(curves, metric: str, rf: int, grace: int, slots: int, startup_s: float,
            report_s: float, late_check: bool = True, stagger_s: float = 0.0
            ) -> tuple[float, float]:
@@ -63,7 +71,7 @@ def replay(curves, metric: str, rf: int, grace: int, slots: int, startup_s: floa
         now, i, epoch = heapq.heappop(events)
         spent[i] = epoch
         action = bracket.on_result(_Trial(i), epoch, sign * curves[i][epoch - 1][metric])
-        if late_check and action == TrialScheduler.CONTINUE and fell_behind(bracket, i, epoch):
+        if late_check and action == TrialScheduler.CONTINUE and fell_behind(bracket._rungs, bracket.cutoff, i, epoch):
             action = TrialScheduler.STOP
         if action == TrialScheduler.STOP or epoch >= epochs:
             if waiting:
@@ -77,7 +85,7 @@ def replay(curves, metric: str, rf: int, grace: int, slots: int, startup_s: floa
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("searches", nargs="+", help="finished --scheduler none search directories")
+    p.add_argument("searches", nargs="*", help="finished --scheduler none search directories")
     p.add_argument("--metrics", default="test_acc,test_loss")
     p.add_argument("--reduction-factors", default="2,3,4")
     p.add_argument("--grace-periods", default="1,2,4")
@@ -90,8 +98,15 @@ def main() -> None:
                    "race to the first rungs among the first --slots trials)")
     p.add_argument("--no-late-check", dest="late_check", action="store_false",
                    help="Ray's ASHA alone, without raytrain's late check")
+    p.add_argument("--quick", action="store_true", help="a smoke test on made-up curves "
+                   "(6 trials x 4 epochs), rung metric test_loss, rf 2, grace 1")
     args = p.parse_args()
-    searches = [load(d) for d in args.searches]
+    if args.quick:
+        args.searches, args.metrics, args.reduction_factors, args.grace_periods = \
+            ["made-up"], "test_loss", "2", "1"
+    elif not args.searches:
+        p.error("give at least one search directory (or --quick)")
+    searches = [made_up_curves() if args.quick else load(d) for d in args.searches]
     searches = [c[args.first:args.first + 1] + c[:args.first] + c[args.first + 1:]
                 for c in searches]
     print(f"{'rung metric':<11} {'rf':>2} {'grace':>5}  " + "  ".join(

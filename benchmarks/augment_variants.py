@@ -28,7 +28,21 @@ import time
 import torch
 import torch.nn.functional as F
 
-from raytrain.data import Augment, load_dataset, random_crop
+from raytrain.data import Augment, load_dataset
+
+
+def random_crop(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+    """The uint8-first variant's crop (raytrain's before the fused gather): zero-pad by ``pad``
+    and take a random HxW window per image, as one advanced-index gather."""
+    b, _, h, w = x.shape
+    xp = F.pad(x, (pad, pad, pad, pad))
+    dy = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
+    dx = torch.randint(0, 2 * pad + 1, (b, 1), device=x.device, generator=generator)
+    rows = (dy + torch.arange(h, device=x.device)).view(b, 1, h, 1)
+    cols = (dx + torch.arange(w, device=x.device)).view(b, 1, 1, w)
+    batch = torch.arange(b, device=x.device).view(b, 1, 1, 1)
+    chans = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+    return xp[batch, chans, rows, cols]
 
 
 class Variants:
@@ -88,7 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.images, args.rounds = 2048, 2
+        args.images, args.rounds, args.batches = 1024, 1, [64]
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     data = load_dataset("synthetic", synthetic_size=args.images).to(dev)

@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from raytrain import loop
+from raytrain.worker import loop
 from raytrain.config import TrainConfig
 from raytrain.data import Augment, batches, epoch_shard, load_dataset, steps_per_epoch
 from raytrain.models import build_model

@@ -1,5 +1,6 @@
 """ASHA vs no early stopping on the same search: compute spent and best accuracy found.
 
+    python benchmarks/tune_asha_vs_none.py --quick         # smoke test (2 x 2 epochs each)
     python benchmarks/tune_asha_vs_none.py                 # digits, 8 trials, 20 epochs, 1 worker
     python benchmarks/tune_asha_vs_none.py --seeds 0,1,2   # three samples of 8 configs
     python benchmarks/tune_asha_vs_none.py --epochs 10 --num-samples 4
@@ -99,7 +100,11 @@ def main() -> None:
     p.add_argument("--out-dir", help="keep the searches here (default: a temp dir)")
     p.add_argument("--reuse", action="store_true", help="read a search already in --out-dir "
                    "(same name) instead of running it again")
+    p.add_argument("--quick", action="store_true", help="a smoke test: 2 trials x 2 epochs "
+                   "of digits each (its numbers mean nothing)")
     args = p.parse_args()
+    if args.quick:
+        args.num_samples, args.epochs, args.seeds = 2, 2, "0"
     storage = args.out_dir or tempfile.mkdtemp(prefix="raytrain-tune-bench-")
     os.makedirs(storage, exist_ok=True)
     pairs = []

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from raytrain.config import RaytrainError
+from raytrain import files
+from raytrain.errors import RaytrainError
 
 FORMAT = "raytrain-checkpoint-v1"
 STATE_FILE = "state.pt"
@@ -69,9 +70,8 @@ def restore(state: dict[str, Any], model, optimizer, scheduler, scaler) -> tuple
 def save(state: dict[str, Any], directory: str) -> str:
     """Write ``state`` into ``directory`` atomically (temp file, then rename)."""
     path = os.path.join(directory, STATE_FILE)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    with files.replacing(path) as tmp:
+        torch.save(state, tmp)
     return path
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain.errors import ConfigError, RaytrainError  # noqa: F401 - re-exported
+
 DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
 NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "digits": 10, "synthetic": 10}
 OPTIMIZERS = ("sgd", "adamw")
@@ -22,19 +24,6 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 NAN_POLICIES = ("stop", "skip")
 STEMS = ("auto", "cifar", "imagenet")
 NORMALIZATIONS = ("dataset", "none", "half")
-
-
-class RaytrainError(Exception):
-    """An error the user can fix; the CLI prints it as one line and exits 2."""
-
-
-class ConfigError(RaytrainError):
-    """A bad setting: names the flag, the value given and what is accepted."""
-
-    def __init__(self, key: str, value: Any, accepted: str, source: str | None = None):
-        self.key, self.value, self.accepted = key, value, accepted
-        where = f"{key} (in {source})" if source else "--" + key.replace("_", "-")
-        super().__init__(f"{where}: got {value!r}; expected {accepted}")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -310,11 +299,8 @@ class TrainConfig:
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",
                self.optim.batch_size,
                f"at least --num-workers ({self.cluster.max_workers}): the batch is global")
-        if self.model.pretrained:  # load it once here so a bad file fails before Ray starts
-            from raytrain.models import build_model
-
-            build_model(self.model.model, NUM_CLASSES[self.data.dataset], self.model.pretrained,
-                        self.model.stem)
+        if self.tune.tune:  # trials run with tune off: checked once, on the driver
+            check_search(self)
 
     @property
     def per_worker_batch(self) -> int:
@@ -352,6 +338,20 @@ class TrainConfig:
             raise
         except TypeError as err:  # e.g. a YAML list where a number belongs
             raise RaytrainError(f"config: {err}") from None
+
+
+def check_search(cfg: TrainConfig) -> None:
+    """--tune's checks that span sections (each section checked its own fields)."""
+    t, epochs = cfg.tune, cfg.optim.epochs
+    for size in t.batch_size_choices():
+        if size < cfg.cluster.max_workers:
+            raise ConfigError("batch_sizes", t.batch_sizes, f"sizes of at least --num-workers "
+                              f"({cfg.cluster.max_workers}): the batch is global")
+    if t.scheduler == "asha" and t.grace_period > epochs:
+        raise ConfigError("grace_period", t.grace_period, f"at most --epochs ({epochs})")
+    if t.scheduler == "pbt" and t.perturbation_interval >= epochs:
+        raise ConfigError("perturbation_interval", t.perturbation_interval,
+                          f"less than --epochs ({epochs}) or PBT never perturbs")
 
 
 # key -> (section name, dataclasses.Field)

@@ -13,14 +13,15 @@ import sys
 
 import torch
 
-from raytrain.config import DATASETS, ConfigError, RaytrainError
+from raytrain.config import DATASETS
+from raytrain.errors import ConfigError, RaytrainError
 
 
 def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None,
                   stem: str = "auto", normalize: str = "dataset") -> dict[str, float]:
     from raytrain import checkpoint
     from raytrain.data import Augment, load_dataset
-    from raytrain.loop import Worker, evaluate
+    from raytrain.worker.loop import Worker, evaluate
     from raytrain.models import build_model
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "model.pt")):

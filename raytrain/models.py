@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain.config import ConfigError
+from raytrain.errors import ConfigError
 
 CUSTOM = ("seed-cnn", "lenet", "small-cnn", "resnet18")
 

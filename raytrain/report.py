@@ -1,63 +1,29 @@
-"""Run files and console output: metrics.jsonl/csv, per-epoch lines, summary table, plots.
+"""A run's files: metrics.jsonl/csv, events.jsonl, its summary table, epoch lines and plots.
 
 ``python -m raytrain.report RUN_DIR`` re-draws the plot and prints the summary of a run.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import sys
-import threading
-import time
 from typing import Any
 
-from raytrain.config import RaytrainError
+from raytrain import files
+from raytrain.errors import RaytrainError
+from raytrain.files import EVENTS_FILE, METRICS_FILE
 
 METRICS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "images_per_s",
            "epoch_s")
 
 
-def _atomic_write(path: str, text: str) -> None:
-    """Replace ``path`` whole or not at all: on a full disk the old file stays as it was."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    return read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    return files.read_jsonl(os.path.join(run_dir, METRICS_FILE))
 
 
 def append_event(run_dir: str, event: dict[str, Any]) -> None:
-    """Append one line, or nothing: a write cut short (full disk) is truncated away."""
-    data = (json.dumps(event) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-                 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        except OSError:
-            os.ftruncate(fd, size)
-            raise
-    finally:
-        os.close(fd)
+    """Append one line to events.jsonl, or nothing (a full disk: see ``files.append_jsonl``)."""
+    files.append_jsonl(os.path.join(run_dir, EVENTS_FILE), event)
 
 
 def record_epoch(run_dir: str, metrics: dict[str, Any]) -> None:
@@ -67,10 +33,8 @@ def record_epoch(run_dir: str, metrics: dict[str, Any]) -> None:
     every epoch exactly once.
     """
     rows = [r for r in read_metrics(run_dir) if r["epoch"] < metrics["epoch"]] + [metrics]
-    _atomic_write(os.path.join(run_dir, "metrics.jsonl"),
-                  "".join(json.dumps(r) + "\n" for r in rows))
-    lines = [",".join(METRICS)] + [",".join(str(r.get(k, "")) for k in METRICS) for r in rows]
-    _atomic_write(os.path.join(run_dir, "metrics.csv"), "\n".join(lines) + "\n")
+    files.atomic_write(os.path.join(run_dir, METRICS_FILE), files.jsonl_text(rows))
+    files.write_csv(os.path.join(run_dir, "metrics.csv"), METRICS, rows)
 
 
 def startup_phases(started_at: float, driver: list[tuple[str, float]], row: dict[str, Any]
@@ -95,75 +59,6 @@ def epoch_line(m: dict[str, Any], epochs: int, eta_s: float | None = None) -> st
             f"train_acc {m['train_acc']:.4f}  test_loss {m['test_loss']:.4f}  "
             f"test_acc {m['test_acc']:.4f}  lr {m['lr']:.2e}  "
             f"{m['images_per_s']:,.0f} img/s  {m['epoch_s']:.1f}s{eta}")
-
-
-class Poller:
-    """Runs ``self.poll()`` every ``interval_s`` on a daemon thread while used as a context
-    (the driver is blocked in ``fit()`` meanwhile); polls once more on exit."""
-
-    interval_s = 0.5
-
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=type(self).__name__,
-                                        daemon=True)
-        self._thread.start()
-
-    def __enter__(self):
-        self._start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.poll()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.poll()
-
-    def poll(self) -> None:
-        raise NotImplementedError
-
-
-class EpochPrinter(Poller):
-    """Prints epochs and worker failures as the run records them (the driver is blocked in
-    fit(); the Train controller, on the driver's node, writes the files)."""
-
-    def __init__(self, run_dir: str, epochs: int, out=sys.stdout):
-        self.run_dir, self.epochs, self.out = run_dir, epochs, out
-        self.seen = {_row_key(r) for r in read_metrics(run_dir)}
-        self.events = len(read_jsonl(os.path.join(run_dir, "events.jsonl")))
-        self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
-
-    def poll(self) -> None:
-        try:
-            events = read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
-            rows = read_metrics(self.run_dir)
-        except (OSError, ValueError):  # mid-write; the next poll reads it
-            return
-        for event in events[self.events:]:
-            if event["event"] == "log":
-                print(event["text"], file=self.out, flush=True)
-            else:
-                print(f"worker failure: {event['error']}", file=self.out, flush=True)
-        self.events = len(events)
-        for m in rows:
-            if _row_key(m) in self.seen:
-                continue
-            self.seen.add(_row_key(m))
-            if m.get("resumed_from"):
-                print(f"recovered: resumed from the epoch {m['resumed_from']} checkpoint",
-                      file=self.out, flush=True)
-            self.printed.append((time.monotonic(), m["epoch"]))
-            (t0, e0), (t1, e1) = self.printed[0], self.printed[-1]
-            eta = (t1 - t0) / (e1 - e0) * (self.epochs - e1) if e1 > e0 else None
-            print(epoch_line(m, self.epochs, eta), file=self.out, flush=True)
-
-
-def _row_key(row: dict[str, Any]) -> tuple:
-    """An epoch as trained once: a rerun of it (after a failure) has its own timing."""
-    return row["epoch"], row.get("epoch_s")
 
 
 def summary_table(rows: list[dict[str, Any]]) -> str:
@@ -207,9 +102,16 @@ def plot_curves(run_dir: str, rows: list[dict[str, Any]]) -> str | None:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
+    return save_figure(fig, run_dir, "learning_curves.png")
+
+
+def save_figure(fig, run_dir: str, name: str) -> str:
+    """``fig``, titled with the run's name, as ``run_dir/name``; returns its path."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(os.path.basename(os.path.normpath(run_dir)))
     fig.tight_layout()
-    path = os.path.join(run_dir, "learning_curves.png")
+    path = os.path.join(run_dir, name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

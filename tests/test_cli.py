@@ -11,6 +11,7 @@ import torch
 
 from raytrain import fit
 from raytrain.models import SeedCNN
+from tests.helpers import read_only_dir
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
@@ -51,9 +52,7 @@ def _bad_inputs(tmp):
     not_weights.write_text("hello")
     wrong_shape = tmp / "wrong.pt"
     torch.save({"conv1.weight": torch.zeros(1)}, wrong_shape)
-    readonly = tmp / "ro"
-    readonly.mkdir()
-    readonly.chmod(0o500)
+    readonly = tmp / "ro"  # read-only for root too: tests/helpers.read_only_dir
     return [
         (["--num-workers", "0"], "--num-workers"),
         (["--num-workers", "-2"], "--num-workers"),
@@ -80,16 +79,25 @@ def _bad_inputs(tmp):
         (["--epochs", "2.5"], "--epochs"),
         (["--storage-path", "s3://bucket/runs"], "--storage-path"),
         (["--no-such-flag"], "unrecognized arguments"),
-    ] + ([] if os.geteuid() == 0 else [
-        (["--storage-path", str(readonly / "runs"), "--dataset", "digits"], "--storage-path")])
+        (["--storage-path", str(readonly / "runs"), "--dataset", "digits"], "--storage-path"),
+    ]
 
 
 def test_every_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    with read_only_dir(tmp_path / "ro"):
+        _check_bad_inputs(tmp_path, capsys)
+
+
+def _check_bad_inputs(tmp_path, capsys):
     for argv, expected in _bad_inputs(tmp_path):
-        with pytest.raises(SystemExit) if argv == ["--no-such-flag"] else _nullcontext():
+        if argv == ["--no-such-flag"]:  # argparse exits itself, with code 2
+            with pytest.raises(SystemExit) as exited:
+                fit.main(argv + ["--dry-run", "--storage-path", str(tmp_path / "runs")])
+            rc = exited.value.code
+        else:
             rc = fit.main(argv + ["--dry-run", "--storage-path", str(tmp_path / "runs")]
                           if "--storage-path" not in argv else argv + ["--dry-run"])
-            assert rc == 2, argv
+        assert rc == 2, argv
         err = capsys.readouterr().err
         lines = err.strip().splitlines()
         assert len(lines) == 1, (argv, err)
@@ -98,12 +106,12 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "runs")
 
 
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def test_tune_dry_run_runs_tunes_checks_too(tmp_path, capsys):
+    """--dry-run exits 2 where the real search would (--grace-period above --epochs)."""
+    rc = fit.main(["--tune", "--grace-period", "5", "--epochs", "2", "--dataset", "digits",
+                   "--num-workers", "1", "--storage-path", str(tmp_path), "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--grace-period" in err[0], err
 
 
 def test_cli_process_exits_2_without_traceback():
@@ -126,7 +134,7 @@ def test_pretrained_weights_load_with_a_new_head(tmp_path):
 
 def test_bad_data_dir_fails_before_any_ray_process(tmp_path, capsys):
     """Corrupt or absent CIFAR data is caught on the driver, not in retried workers."""
-    from tests.conftest import write_tiny_cifar
+    from tests.helpers import write_tiny_cifar
 
     folder = write_tiny_cifar(tmp_path / "corrupt")
     with open(os.path.join(folder, "test_batch"), "r+b") as f:

@@ -11,42 +11,26 @@ which would stop every Ray cluster on the machine.
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import shlex
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
-import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from raytrain import launch
-from raytrain.cluster import check_storage_for_multinode
+from raytrain.driver.preflight import check_storage_for_multinode
 from raytrain.config import RaytrainError
-from tests.conftest import end_processes
+from tests.helpers import AWS, BIN, ONPREM, REPO, LocalCluster, metrics
+from tests.helpers import raw_config as _raw, start_parts as _start_parts
 
-REPO = Path(__file__).resolve().parents[1]
-AWS = REPO / "cluster.yaml"
-ONPREM = REPO / "examples" / "cluster-onprem.yaml"
 CONFIGS = pytest.mark.parametrize("path", [AWS, ONPREM], ids=["aws", "onprem"])
 # What the on-prem config must share with cluster.yaml, word for word (initialization_commands
 # and head_setup_commands are for site-specific steps: storage mounts, boto3 on an AWS head).
 SHARED = ("file_mounts", "rsync_filter", "rsync_exclude", "setup_commands",
           "head_start_ray_commands", "worker_start_ray_commands")
-BIN = os.path.dirname(sys.executable)
-
-
-def _raw(path: Path) -> dict:
-    return yaml.safe_load(path.read_text())
 
 
 def _prepared(path: Path) -> dict:
@@ -54,24 +38,6 @@ def _prepared(path: Path) -> dict:
     config = prepare_config(_raw(path))
     validate_config(config)
     return config
-
-
-def _start_parts(command: str) -> tuple[dict[str, str], list[str]]:
-    """(variables exported, `ray start` argv) of ``... && export K=V && ray start ...``."""
-    env: dict[str, str] = {}
-    argv: list[str] = []
-    for part in command.split("&&"):
-        words = shlex.split(part.strip())
-        if words[:1] == ["export"]:
-            env.update(word.split("=", 1) for word in words[1:])
-        elif words[:2] == ["ray", "start"]:
-            argv = words
-    return env, argv
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 # ---------------------------------------------------------------------------- configs
@@ -133,103 +99,6 @@ def test_onprem_config_shares_every_command_with_the_aws_one():
 # ---------------------------------------------------------------------------- a live cluster
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-# Run with the cluster's env: alive and dead nodes (ray.nodes()) and Ray Train worker actors,
-# alive or finished, with the node each ran on (Ray's state API).
-PROBE = """
-import json, sys, ray
-from ray.util.state import list_actors
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-actors = list_actors(address=sys.argv[1], filters=[("class_name", "=", "RayTrainWorker")],
-                     limit=10000, raise_on_missing_output=False)
-print("PROBE " + json.dumps({"nodes": ray.nodes(), "workers": [
-    {"id": a.actor_id, "node_id": a.node_id, "pid": a.pid} for a in actors]}))
-"""
-
-
-class LocalCluster:
-    """Ray nodes started here with `ray start`, each in a process session of its own."""
-
-    def __init__(self):
-        # Short: Ray puts unix sockets under the temp dir (108-byte path limit).
-        self.base = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
-        self.sessions: list[int] = []
-        token = self.base / "auth_token"
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
-        config = _raw(AWS)
-        self.head_env, self.head_argv = _start_parts(config["head_start_ray_commands"][-1])
-        self.node_env, self.node_argv = _start_parts(config["worker_start_ray_commands"][-1])
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(launch.CONTROLLER_ENV, PATH=BIN + os.pathsep + env.get("PATH", ""),
-                   RAY_AUTH_TOKEN_PATH=str(token))  # this cluster's token, not ~/.ray's
-        self.env = env
-        self.client_env = {**env, "RAY_AUTH_MODE": "token"}  # as docs/cluster.md says
-        self.port, self.dashboard_port = _free_port(), _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
-
-    def start_head(self) -> int:
-        return self._start(self.head_argv, self.head_env, port=self.port,
-                           dashboard_port=self.dashboard_port, include_dashboard="true",
-                           ray_client_server_port=_free_port())
-
-    def add_node(self, **flags) -> int:
-        """Start one more node joining the head; returns its session id (see stop_session)."""
-        return self._start(self.node_argv, self.node_env, address=self.address, **flags)
-
-    def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
-        flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
-                 "dashboard_agent_listen_port": _free_port(), **flags,
-                 "temp_dir": self.base / "ray"}
-        machine_bound = ("--port=", "--address=", "--object-manager-port=", "--autoscaling-config=")
-        cmd = [shutil.which("ray", path=BIN)]
-        cmd += [a for a in argv[1:] if not a.startswith(machine_bound)]
-        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
-        proc = subprocess.Popen(cmd, env={**self.env, **exports}, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.sessions.append(proc.pid)  # the daemons it leaves behind keep this session id
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, out[-3000:]
-        return proc.pid
-
-    def run(self, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(argv, env=self.client_env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-
-    def probe(self) -> dict:
-        out = self.run([sys.executable, "-c", PROBE, self.address], timeout=120)
-        assert out.returncode == 0, out.stdout[-3000:]
-        line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")][-1]
-        return json.loads(line.removeprefix("PROBE "))
-
-    def _ours(self, sessions: set[int]) -> list[psutil.Process]:
-        """Processes in the given sessions, or (job drivers Ray starts in new sessions) whose
-        command line names this cluster's own directory."""
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if p.pid != os.getpid() and (os.getsid(p.pid) in sessions or any(
-                        f"{self.base}/" in arg for arg in p.info["cmdline"] or ())):
-                    found.append(p)
-            except (psutil.Error, OSError):
-                continue
-        return found
-
-    def stop_session(self, session: int) -> None:
-        end_processes([p for p in self._ours({session}) if os.getsid(p.pid) == session])
-
-    def stop(self) -> None:
-        end_processes(self._ours(set(self.sessions)))
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-
 @pytest.fixture(scope="module")
 def two_nodes():
     """A head and one more node, 1 CPU each, on this machine; token auth on."""
@@ -271,7 +140,7 @@ def test_fit_runs_one_worker_on_each_of_two_nodes(two_nodes):
                          "--dataset", "digits", "--epochs", "2", "--address", two_nodes.address,
                          "--storage-path", str(storage), "--name", "x"])
     assert out.returncode == 0, out.stdout[-3000:]
-    assert [r["epoch"] for r in _metrics(storage / "x")] == [1, 2]
+    assert [r["epoch"] for r in metrics(storage / "x")] == [1, 2]
     seen = {w["id"] for w in before["workers"]}
     workers = [w for w in two_nodes.probe()["workers"] if w["id"] not in seen]
     assert len(workers) == 2 and len({w["pid"] for w in workers}) == 2
@@ -287,7 +156,7 @@ def test_ray_job_submit_runs_raytrain_and_returns_its_exit_status(two_nodes):
                                  "--storage-path", str(storage), "--name", "job"])
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "succeeded" in ok.stdout
-    assert [r["epoch"] for r in _metrics(storage / "job")] == [1]
+    assert [r["epoch"] for r in metrics(storage / "job")] == [1]
     bad = two_nodes.run(submit + ["--num-workers", "0"], timeout=180)  # raytrain exits 2
     assert bad.returncode != 0
     assert "--num-workers: got '0'" in bad.stdout and "exit code 2" in bad.stdout

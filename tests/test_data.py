@@ -10,7 +10,7 @@ import torch
 from raytrain.config import ConfigError
 from raytrain.data import (Augment, batches, crop_and_flip, epoch_shard, eval_shard,
                            load_dataset, steps_per_epoch)
-from tests.conftest import write_tiny_cifar
+from tests.helpers import write_tiny_cifar
 
 
 @pytest.mark.parametrize("n,world", [(10, 1), (10, 3), (1437, 2), (1437, 4), (7, 8)])

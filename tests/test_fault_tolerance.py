@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -15,34 +13,17 @@ import torch
 
 from raytrain import fit
 from raytrain.config import TrainConfig
-from raytrain.loop import Worker, run_worker
+from raytrain.worker.loop import Worker, run_worker
+from tests.helpers import metrics, wait_for_epoch, wait_until
 
 # ~1.5 s epochs on this 2-core machine: long enough to kill a process mid-run.
 SLOW = ["--dataset", "synthetic", "--synthetic-size", "16000", "--batch-size", "128",
         "--num-workers", "2", "--seed", "3"]
 
 
-def _metrics(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def _driver(address, args, **kw):
     return subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--address", address, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _wait_for_epoch(run_dir, epoch, proc, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if any(r["epoch"] >= epoch for r in _metrics(run_dir)):
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.1)
-    raise AssertionError(f"epoch {epoch} never reported")
 
 
 def _train_workers(address):
@@ -63,14 +44,14 @@ def test_killed_worker_is_replaced_and_run_resumes_from_checkpoint(address, tmp_
     run_dir = tmp_path / "ft"
     proc = _driver(address, [*SLOW, "--epochs", "5", "--max-failures", "2",
                              "--storage-path", str(tmp_path), "--name", "ft"])
-    _wait_for_epoch(run_dir, 2, proc)
+    wait_for_epoch(run_dir, 2, proc)
     victims = _train_workers(address)
     assert len(victims) == 2
     victims[-1].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
-    assert [r["epoch"] for r in _metrics(run_dir)] == [1, 2, 3, 4, 5]
-    resumed = [r["resumed_from"] for r in _metrics(run_dir) if r.get("resumed_from")]
+    assert [r["epoch"] for r in metrics(run_dir)] == [1, 2, 3, 4, 5]
+    resumed = [r["resumed_from"] for r in metrics(run_dir) if r.get("resumed_from")]
     assert resumed and resumed[0] >= 2, out  # not restarted from scratch
     assert "worker failure" in out and f"resumed from the epoch {resumed[0]} checkpoint" in out
 
@@ -78,7 +59,7 @@ def test_killed_worker_is_replaced_and_run_resumes_from_checkpoint(address, tmp_
 def test_more_failures_than_allowed_fail_clearly(address, tmp_path):
     proc = _driver(address, [*SLOW, "--epochs", "6", "--max-failures", "0",
                              "--storage-path", str(tmp_path), "--name", "ft0"])
-    _wait_for_epoch(tmp_path / "ft0", 1, proc)
+    wait_for_epoch(tmp_path / "ft0", 1, proc)
     _train_workers(address)[0].send_signal(signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
@@ -92,15 +73,16 @@ def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path)
     assert straight.returncode == 0, out
 
     first = _driver(address, [*args, "--name", "again"])
-    _wait_for_epoch(tmp_path / "again", 2, first)
+    wait_for_epoch(tmp_path / "again", 2, first)
     first.send_signal(signal.SIGKILL)
     first.wait()
-    time.sleep(2)  # let Ray reap the dead driver's actors
+    # Ray reaps the dead driver's actors: its workers' CPUs are free for the next run
+    wait_until(lambda: not _train_workers(address), 60, "the killed run's workers gone")
     second = _driver(address, [*args, "--name", "again"])
     out, _ = second.communicate(timeout=300)
     assert second.returncode == 0, out
     assert "resuming run again from its epoch" in out
-    assert [r["epoch"] for r in _metrics(tmp_path / "again")] == [1, 2, 3, 4]
+    assert [r["epoch"] for r in metrics(tmp_path / "again")] == [1, 2, 3, 4]
     a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "again" / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -147,7 +129,7 @@ def test_reused_name_with_other_config_is_refused_then_fresh_restarts(ray_cluste
     assert fit.main(args) == 0  # same config: already finished, nothing re-run
     assert "already finished all 2 epochs" in capsys.readouterr().out
     assert fit.main([*args, "--lr", "0.01", "--fresh"]) == 0
-    rows = _metrics(run_dir)
+    rows = metrics(run_dir)
     assert [r["epoch"] for r in rows] == [1, 2] and rows[0].get("resumed_from") == 0
 
 

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,13 +18,9 @@ import urllib.request
 import psutil
 import pytest
 
+from tests.helpers import free_port
+
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, token: str | None) -> str:
@@ -40,7 +35,7 @@ def _get(url: str, token: str | None) -> str:
 def head():
     """A head started the way users do; only its own processes are stopped afterwards."""
     temp = tempfile.mkdtemp(prefix="rtmon", dir="/tmp")
-    ports = {"port": _free_port(), "dashboard": _free_port(), "metrics": _free_port()}
+    ports = {"port": free_port(), "dashboard": free_port(), "metrics": free_port()}
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
     env["RAY_AUTH_MODE"] = "token" if os.path.exists(os.path.expanduser("~/.ray/auth_token")) \

@@ -75,7 +75,7 @@ import pytest
 import ray
 import yaml
 
-from tests.conftest import end_processes
+from tests.helpers import end_processes, metrics
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "cluster-onprem.yaml"
@@ -461,8 +461,7 @@ def test_ray_up_runs_raytrain_over_ssh_and_ray_down_stops_it(machine):
         f"--storage-path {runs} --name onprem", timeout=420)
     assert job.returncode == 0, job.stdout[-5000:]
     assert "succeeded" in job.stdout, job.stdout[-3000:]
-    rows = [json.loads(line) for line in (runs / "onprem" / "metrics.jsonl").read_text()
-            .splitlines() if line.strip()]
+    rows = metrics(runs / "onprem")
     assert [r["epoch"] for r in rows] == [1]
     assert 0.0 <= rows[0]["test_acc"] <= 1.0 and (runs / "onprem" / "model.pt").exists()
     assert (runs / "onprem").stat().st_uid == pw.pw_uid  # written on the node, as its user

@@ -3,7 +3,6 @@ a storage file system that fills up (a real tmpfs), an elastic run waiting for a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,9 +17,11 @@ import pytest
 import torch
 import yaml
 
-from raytrain import fit, launch, report
-from tests.test_cluster import AWS, ONPREM, LocalCluster
-from tests.test_fault_tolerance import _wait_for_epoch
+from raytrain import fit, report
+from raytrain.driver import preflight
+from raytrain.driver.run import latest_checkpoint_epoch
+from tests.helpers import (AWS, ONPREM, LocalCluster, metrics, small_tmpfs, wait_for_epoch,
+                           wait_gone)
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -48,8 +49,7 @@ def test_nan_loss_stops_the_run_naming_epoch_and_step(ray_cluster, tmp_path, cap
     assert rc == 1
     err = capsys.readouterr().err
     assert "loss became NaN/inf at epoch 1, step" in err and "--nan-policy skip" in err
-    with open(tmp_path / "nan" / "metrics.jsonl") as f:
-        assert [json.loads(line)["epoch"] for line in f] == [1]  # stopped, not retried
+    assert [r["epoch"] for r in metrics(tmp_path / "nan")] == [1]  # stopped, not retried
     assert not list((tmp_path / "nan").glob("checkpoint_*"))  # no diverged checkpoint
 
 
@@ -90,28 +90,11 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
     assert "interrupted after epoch" in out
-    time.sleep(3)
-    alive = [p for p in ray_procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    alive = wait_gone(ray_procs, timeout=3)
     assert not alive, [p.cmdline()[:2] for p in alive]
 
 
 # ---------------------------------------------------------------------------- a full disk
-
-
-@contextlib.contextmanager
-def small_tmpfs(path, size: str):
-    """A real file system of ``size`` at ``path`` (needs root: this machine and CI have it)."""
-    os.makedirs(path)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                              str(path)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:120]}): a real full "
-                    "disk needs mount permission (root)")
-    try:
-        yield path
-    finally:  # lazily if a Ray process still holds a file open in it
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(path)], check=True)
 
 
 def fill(path, leave: int) -> None:
@@ -145,7 +128,7 @@ def test_latest_checkpoint_ignores_a_checkpoint_without_a_complete_state_file(tm
     torch.save({"w": torch.zeros(1000)}, tmp_path / "checkpoint_epoch_0001" / "state.pt")
     whole = (tmp_path / "checkpoint_epoch_0001" / "state.pt").read_bytes()
     (tmp_path / "checkpoint_epoch_0002" / "state.pt").write_bytes(whole[:len(whole) // 2])
-    assert launch.latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
+    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
 
 
 # digits epochs of ~1 s here: time to fill the disk between one epoch's files and the next's
@@ -175,7 +158,7 @@ def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
     with small_tmpfs(tmp_path / "disk", "6m") as disk:
         run_dir = disk / "full"
         cmd, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "6")
-        _wait_for_epoch(run_dir, 2, proc)  # its row is written once its checkpoint is whole
+        wait_for_epoch(run_dir, 2, proc)  # its row is written once its checkpoint is whole
         state = run_dir / "checkpoint_epoch_0002" / "state.pt"
         saved = state.read_bytes()
         fill(disk, leave=128 * 1024)  # room for metrics lines, not for a checkpoint
@@ -187,7 +170,7 @@ def test_full_disk_on_checkpoint_save_stops_the_run_and_keeps_what_was_saved(
         assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
         rows = _rows(run_dir)
         assert [r["epoch"] for r in rows] == [1, 2, 3, 4] and "error" in rows[-1]
-        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+        assert latest_checkpoint_epoch(str(run_dir)) == 2
 
         os.remove(disk / "filler")
         rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -206,14 +189,14 @@ def test_full_disk_on_metrics_write_stops_the_run_and_keeps_what_was_saved(
     with small_tmpfs(tmp_path / "disk", "6m") as disk:
         run_dir = disk / "full"
         _, proc = _fit_on(disk, ray_cluster.address_info["gcs_address"], "--epochs", "4")
-        _wait_for_epoch(run_dir, 2, proc)
+        wait_for_epoch(run_dir, 2, proc)
         before = (run_dir / "metrics.jsonl").read_bytes()
         fill(disk, leave=0)  # epoch 3 saves no checkpoint: its metrics are the next write
         _fails_on_full_disk(proc, disk, "writing the run files failed")
         assert (run_dir / "metrics.jsonl").read_bytes() == before
         assert [r["epoch"] for r in _rows(run_dir)] == [1, 2]
         assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
-        assert launch.latest_checkpoint_epoch(str(run_dir)) == 2
+        assert latest_checkpoint_epoch(str(run_dir)) == 2
 
 
 def _rows(run_dir) -> list[dict]:
@@ -246,8 +229,9 @@ def _start_fit(cluster: LocalCluster, *args: str, home=None) -> tuple[subprocess
                                                                else {}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[tuple[float, str]] = []
-    threading.Thread(target=lambda: lines.extend((time.monotonic(), line.rstrip("\n"))
-                                                 for line in proc.stdout), daemon=True).start()
+    proc.reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), line.rstrip("\n")) for line in proc.stdout), daemon=True)
+    proc.reader.start()
     return proc, lines
 
 
@@ -259,7 +243,7 @@ def test_elastic_run_fails_after_wait_timeout_when_min_workers_never_fit(one_cpu
     proc, lines = _start_fit(one_cpu_head, "--num-workers", "2:3", "--wait-timeout", "4",
                              "--name", "never")
     assert proc.wait(timeout=120) == 2, "\n".join(line for _, line in lines)
-    time.sleep(0.5)  # the reader thread has the last lines
+    proc.reader.join(timeout=30)  # the reader thread has the last lines
     text = [line for _, line in lines]
     assert "Traceback" not in "\n".join(text)
     assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "
@@ -313,7 +297,7 @@ def _bootstrap_file(home, config_file):
 
 def test_bootstrap_config_gives_the_node_types_that_can_add_nodes(tmp_path):
     aws = _bootstrap_file(tmp_path, AWS)
-    assert launch.bootstrap_groups(str(aws)) == [  # not the head's type (max_workers 0)
+    assert preflight.bootstrap_groups(str(aws)) == [  # not the head's type (max_workers 0)
         {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 8},
         {"resources": {"CPU": 96.0, "GPU": 8.0}, "max_count": 2}]
     config = json.loads(aws.read_text())
@@ -321,17 +305,17 @@ def test_bootstrap_config_gives_the_node_types_that_can_add_nodes(tmp_path):
     del config["available_node_types"]["gpu.1x-a10g"]["max_workers"]  # defaults to that cap
     config["available_node_types"]["gpu.8x-a100"]["resources"] = {}  # unknown: left out
     aws.write_text(yaml.safe_dump(config))
-    assert launch.bootstrap_groups(str(aws)) == [
+    assert preflight.bootstrap_groups(str(aws)) == [
         {"resources": {"CPU": 4.0, "GPU": 1.0}, "max_count": 3}]
     # on-prem: one type without resources, always all listed machines: nothing to ask for
-    assert launch.bootstrap_groups(str(_bootstrap_file(tmp_path, ONPREM))
+    assert preflight.bootstrap_groups(str(_bootstrap_file(tmp_path, ONPREM))
                                    ) == []
     for broken in ("", "[1, 2]", "max_workers: [", "available_node_types: {a: 1}",
                    "available_node_types: {a: {max_workers: x, resources: {CPU: 1}}}",
                    "available_node_types: {a: {max_workers: 1, resources: {CPU: x}}}"):
         aws.write_text(broken)
-        assert launch.bootstrap_groups(str(aws)) == [], broken
-    assert launch.bootstrap_groups(str(tmp_path / "missing.yaml")) == []
+        assert preflight.bootstrap_groups(str(aws)) == [], broken
+    assert preflight.bootstrap_groups(str(tmp_path / "missing.yaml")) == []
 
 
 # A node type the test's own `add_node` plays the autoscaler for: 1 CPU, 2 of them at most.
@@ -347,7 +331,7 @@ def test_without_autoscaler_config_a_run_that_does_not_fit_fails_at_once(one_cpu
                              "--name", "fixed", home=tmp_path)
     assert proc.wait(timeout=60) == 2, "\n".join(line for _, line in lines)
     assert time.monotonic() - start < 30  # mostly the Python and Ray imports on 2 busy cores
-    time.sleep(0.5)  # the reader thread has the last lines
+    proc.reader.join(timeout=30)  # the reader thread has the last lines
     text = [line for _, line in lines]
     assert not any("waiting for resources" in line for line in text), text
     assert text[-1] == ("raytrain: error: --num-workers 2 needs 2 x (1 CPU) per worker; the "

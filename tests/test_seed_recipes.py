@@ -15,7 +15,7 @@ import torchvision
 from torch import nn
 
 from raytrain.data import Augment, load_dataset
-from raytrain.loop import seed_log_line
+from raytrain.worker.loop import seed_log_line
 from raytrain.models import LeNet, SeedCNN, build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 from types import SimpleNamespace
@@ -16,12 +15,7 @@ import yaml
 
 from raytrain import fit
 from raytrain.models import SeedCNN
-from tests.conftest import write_tiny_cifar
-
-
-def _metrics(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from tests.helpers import metrics, write_tiny_cifar
 
 
 def _actors(cluster) -> dict[str, str]:
@@ -46,7 +40,7 @@ def digits_run(ray_cluster, tmp_path_factory):
 def test_digits_is_learned_with_two_workers(digits_run):
     assert digits_run.rc == 0
     run_dir = digits_run.run_dir
-    rows = _metrics(run_dir)
+    rows = metrics(run_dir)
     assert [r["epoch"] for r in rows] == list(range(1, 31))
     assert rows[-1]["test_acc"] >= 0.95  # chance is 0.10
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] / 5
@@ -69,7 +63,7 @@ def test_run_directory_holds_config_metrics_plot_and_weights(digits_run):
 def test_run_starts_no_ray_actor_it_does_not_use(digits_run):
     """raytrain passes no Ray Datasets, the local cluster cannot grow, and a plain run's driver
     exits with its placement group: no DatasetManager, autoscaling coordinator or placement
-    group cleaner (raytrain/trainer.py)."""
+    group cleaner (raytrain/ray_compat.py)."""
     started = digits_run.started
     assert {"TrainController", "RayTrainWorker", "SynchronizationActor"} <= started
     assert not started & {"DatasetManager", "_AutoscalingCoordinatorActor",
@@ -77,7 +71,7 @@ def test_run_starts_no_ray_actor_it_does_not_use(digits_run):
 
 
 def test_summary_breaks_down_the_time_to_first_step(digits_run):
-    first = _metrics(digits_run.run_dir)[0]
+    first = metrics(digits_run.run_dir)[0]
     at = first["startup"]
     assert at["process"] <= at["loop"] <= at["data"] <= at["model"] <= first["first_step_at"]
     line = re.search(r"time to first step ([0-9.]+)s = (.*); wall time", digits_run.output)
@@ -93,7 +87,7 @@ def test_evaluate_reproduces_the_final_test_accuracy(digits_run, capsys):
     run_dir = digits_run.run_dir
     assert evaluate.main([run_dir]) == 0
     out = capsys.readouterr().out
-    assert f"test_acc {_metrics(run_dir)[-1]['test_acc']:.4f}" in out
+    assert f"test_acc {metrics(run_dir)[-1]['test_acc']:.4f}" in out
 
 
 def test_resnet18_weights_load_into_plain_torchvision(ray_cluster, tmp_path):
@@ -113,6 +107,6 @@ def test_cifar10_format_dataset_trains_end_to_end(ray_cluster, tmp_path):
                    str(tmp_path / "data"), "--epochs", "2", "--batch-size", "32",
                    "--storage-path", str(tmp_path), "--name", "c10"])
     assert rc == 0
-    rows = _metrics(tmp_path / "c10")
+    rows = metrics(tmp_path / "c10")
     assert [r["test_count"] for r in rows] == [60, 60]
     assert [r["train_count"] for r in rows] == [200, 200]

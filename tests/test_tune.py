@@ -3,7 +3,6 @@ fails alone, the search resumes; settings and PBT's optimizer re-targeting witho
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -13,6 +12,7 @@ import yaml
 
 from raytrain import checkpoint, fit, tune as tuning
 from raytrain.config import ConfigError, TrainConfig
+from raytrain.files import read_jsonl
 from raytrain.models import SeedCNN
 
 DIGITS = ["--tune", "--num-workers", "1", "--dataset", "digits"]
@@ -24,11 +24,6 @@ def _search(storage, name, *flags):
 
 def _results(exp_dir):
     return {r["trial_id"]: r for r in tuning.read_results(str(exp_dir))}
-
-
-def _jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _held_after_cleanup(wait_s=15):
@@ -72,7 +67,7 @@ def test_asha_search_stops_weak_trials_and_writes_results(asha, capsys):
     assert len({(r["lr"], r["batch_size"]) for r in rows.values()}) == 4
     assert os.path.getsize(storage / "asha" / "tune.png") > 10_000
     for trial_id, r in rows.items():  # each trial: its own run dir, one metrics row per epoch
-        metrics = _jsonl(storage / "asha" / "trials" / trial_id / "metrics.jsonl")
+        metrics = read_jsonl(storage / "asha" / "trials" / trial_id / "metrics.jsonl")
         assert [m["epoch"] for m in metrics] == list(range(1, int(r["last_epoch"]) + 1))
         assert float(r["best_test_acc"]) == max(m["test_acc"] for m in metrics)
 
@@ -175,15 +170,15 @@ def test_an_interrupted_search_resumes_where_it_stopped(ray_cluster, tmp_path, c
     assert _search(tmp_path, "intr", *flags) == 0
     rows = _results(tmp_path / "intr")
     assert len(rows) == 2 and all(r["status"] == "completed" for r in rows.values())
-    restarted = [tid for tid in rows if len(_jsonl(trials / tid / "starts.jsonl")) == 2]
+    restarted = [tid for tid in rows if len(read_jsonl(trials / tid / "starts.jsonl")) == 2]
     assert restarted
     for tid in restarted:
-        metrics = _jsonl(trials / tid / "metrics.jsonl")
+        metrics = read_jsonl(trials / tid / "metrics.jsonl")
         assert [m["epoch"] for m in metrics] == [1, 2, 3]
         # Not from scratch: epoch 1 was trained before the second start, never again. (The
         # rest came from a resume, or, when Ctrl-C reached the trial's Train run late, from
         # the first run finishing: the second then had nothing left to train.)
-        second_start = _jsonl(trials / tid / "starts.jsonl")[1]["time"]
+        second_start = read_jsonl(trials / tid / "starts.jsonl")[1]["time"]
         assert metrics[0]["first_step_at"] < second_start
 
 
@@ -223,11 +218,11 @@ def test_pbt_exploits_another_trials_checkpoint(ray_cluster, tmp_path):
         # A clone of the leader's last epoch (it had finished) leaves nothing to train: no
         # resume to check, so it does not count.
         exploits = [(tid, s) for tid in rows
-                    for s in _jsonl(tmp_path / name / "trials" / tid / "starts.jsonl")
+                    for s in read_jsonl(tmp_path / name / "trials" / tid / "starts.jsonl")
                     if s["from_trial"] not in (None, tid) and s["from_epoch"] < 5]
         if exploits:
             break
-        firsts = [_jsonl(tmp_path / name / "trials" / tid / "metrics.jsonl")[0]["first_step_at"]
+        firsts = [read_jsonl(tmp_path / name / "trials" / tid / "metrics.jsonl")[0]["first_step_at"]
                   for tid in rows]
         gaps.append(round(max(firsts) - min(firsts), 1))
     assert exploits, ("no trial resumed from another trial's checkpoint in 3 searches; "
@@ -239,7 +234,7 @@ def test_pbt_exploits_another_trials_checkpoint(ray_cluster, tmp_path):
                                       start["segment"]))
     assert state["epoch"] == start["from_epoch"]
     # ...and resumed there: its first epoch is the next one.
-    metrics = {m["epoch"]: m for m in _jsonl(tmp_path / name / "trials" / trial_id /
+    metrics = {m["epoch"]: m for m in read_jsonl(tmp_path / name / "trials" / trial_id /
                                               "metrics.jsonl")}
     assert metrics[start["from_epoch"] + 1].get("resumed_from") == start["from_epoch"]
 
@@ -353,7 +348,7 @@ def test_retarget_remakes_optimizer_and_schedule_for_the_new_lr_and_batch():
     schedule the new config would have had at that epoch, and runs to the end without error."""
     from raytrain import checkpoint
     from raytrain.data import load_dataset, steps_per_epoch
-    from raytrain.loop import make_optimizer, make_scheduler
+    from raytrain.worker.loop import make_optimizer, make_scheduler
 
     donor, new = _cfg(lr=0.05, batch_size=64, epochs=4), _cfg(lr=0.2, batch_size=32, epochs=4)
     n = len(load_dataset("digits").train_y)

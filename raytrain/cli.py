@@ -1,0 +1,105 @@
+"""The command line: flags derived from the config dataclasses, YAML merged under them.
+
+    from raytrain.cli import build_parser, resolve
+    cfg = resolve(build_parser().parse_args(["--dataset", "digits", "--lr", "0.1"]))
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+import yaml
+
+from raytrain.config import FIELDS, SECTIONS, TrainConfig, coerce
+from raytrain.errors import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too)
+        self.exit(2, f"raytrain: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags come from the config dataclasses' fields; nothing is listed twice."""
+    p = _Parser(prog="raytrain-fit", argument_default=argparse.SUPPRESS,
+                description="Train an image classifier data-parallel on a Ray cluster "
+                "(Ray Train TorchTrainer + DDP). --batch-size and --lr are GLOBAL: each of N "
+                "workers gets batch_size // N images per step.",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", metavar="YAML", help="YAML file of settings (keys = flag names "
+                   "with _ ); flags given on the command line override it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config, resources and per-worker batch; start nothing")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an existing run of this --name even if its config differs")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete an existing run of this --name and start over")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section, (cls.__doc__ or "").strip())
+        for f in dataclasses.fields(cls):
+            _add_flag(group, f)
+    return p
+
+
+def _add_flag(group, f: dataclasses.Field) -> None:
+    meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+    default = f.default
+    help_text = meta["help"] + ("" if default is None else f" (default: {default})")
+    if "flags" in meta:  # an on/off pair with custom names, e.g. --use-gpu / --no-gpu
+        on, off = meta["flags"]
+        group.add_argument(on, dest=f.name, action="store_const", const=True, help=help_text)
+        group.add_argument(off, dest=f.name, action="store_const", const=False,
+                           help=f"opposite of {on}")
+    elif str(f.type).startswith("bool"):
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                           help=meta["help"])
+    else:
+        choices = meta.get("choices")
+        metavar = meta.get("metavar") or ("{" + ",".join(choices) + "}" if choices
+                                          else f.name.upper())
+        group.add_argument(flag, dest=f.name, metavar=metavar, help=help_text)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flat (``lr: 0.1``) or sectioned (``optim: {lr: 0.1}``) YAML settings."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("config", path, "an existing YAML file") from None
+    except (OSError, yaml.YAMLError) as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where else ""
+        raise ConfigError("config", path, f"valid YAML (parse error{at})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", path, "a YAML mapping of setting: value")
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return {str(k).replace("-", "_"): v for k, v in flat.items()}
+
+
+def resolve(args: argparse.Namespace) -> TrainConfig:
+    """defaults <- YAML <- flags, each value converted and checked once."""
+    given = {k: v for k, v in vars(args).items() if k in FIELDS}
+    from_yaml = load_yaml(args.config) if getattr(args, "config", None) else {}
+    sources = {k: os.path.basename(args.config) for k in from_yaml if k not in given}
+    merged = {**from_yaml, **given}
+    flat = {}
+    for key, value in merged.items():
+        if key not in FIELDS:
+            raise ConfigError(key, value, "a known setting (see --help)", sources.get(key))
+        try:
+            flat[key] = coerce(key, value)
+        except ConfigError as err:
+            raise ConfigError(key, value, err.accepted, sources.get(key)) from None
+    return TrainConfig.from_flat(flat, sources)

@@ -1,0 +1,127 @@
+"""What the driver prints: the dashboard line, --dry-run's plan, epochs as they are recorded,
+the final summary.
+
+    with EpochPrinter(run_dir, epochs):   # while the driver is blocked in trainer.fit()
+        trainer.fit()
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import yaml
+
+from raytrain import files
+from raytrain.config import TrainConfig
+from raytrain.files import EVENTS_FILE
+from raytrain.report import accuracy_lines, epoch_line, read_metrics, summary_table
+
+TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
+
+
+def print_dashboard(url: str | None, kept: bool) -> None:
+    if not url:
+        return
+    auth = f"; sign in with the token in {TOKEN_FILE}" if os.path.exists(TOKEN_FILE) else ""
+    life = ("it stays up after the run: stop it with `ray stop`" if kept else
+            "it closes with this run (--keep-cluster keeps it)")
+    print(f"Ray dashboard: http://{url.removeprefix('http://')}{auth}; {life}", flush=True)
+
+
+def dry_run_text(cfg: TrainConfig) -> str:
+    c = cfg.cluster
+    lines = ["resolved config:", yaml.safe_dump(cfg.to_flat(), sort_keys=False).rstrip(),
+             f"workers: {c.num_workers} x {c.cpus_per_worker:g} CPU"
+             + {True: " + 1 GPU", False: "", None: " (+ 1 GPU each if the cluster has GPUs)"}[
+                 c.use_gpu],
+             f"batch: {cfg.optim.batch_size} global = {cfg.per_worker_batch} per worker x "
+             f"{c.max_workers} workers",
+             f"run directory: {cfg.run_dir}"]
+    return "\n".join(lines)
+
+
+def print_summary(summary) -> None:
+    print()
+    print(summary_table(summary.rows))
+    if summary.final:
+        print("\n".join(accuracy_lines(summary.rows)))
+    if summary.first_step_s is not None:
+        phases = " + ".join(f"{name} {sec:.1f}" for name, sec in summary.startup or [])
+        print(f"time to first step {summary.first_step_s:.1f}s"
+              + (f" = {phases}" if phases else "") + f"; wall time {summary.wall_s:.1f}s")
+    print(f"run directory: {summary.run_dir}")
+    if summary.model_path:
+        print(f"weights: {summary.model_path}")
+
+
+class Poller:
+    """Runs ``self.poll()`` every ``interval_s`` on a daemon thread while used as a context
+    (the driver is blocked in ``fit()`` meanwhile); polls once more on exit."""
+
+    interval_s = 0.5
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__,
+                                        daemon=True)
+        self._thread.start()
+
+    def __enter__(self):
+        self._start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class EpochPrinter(Poller):
+    """Prints epochs and worker failures as the run records them (the driver is blocked in
+    fit(); the Train controller, on the driver's node, writes the files)."""
+
+    def __init__(self, run_dir: str, epochs: int, out=sys.stdout):
+        self.run_dir, self.epochs, self.out = run_dir, epochs, out
+        self.seen = {_row_key(r) for r in read_metrics(run_dir)}
+        self.events = len(files.read_jsonl(os.path.join(run_dir, EVENTS_FILE)))
+        self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
+
+    def poll(self) -> None:
+        try:
+            events = files.read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
+            rows = read_metrics(self.run_dir)
+        except (OSError, ValueError):  # mid-write; the next poll reads it
+            return
+        for event in events[self.events:]:
+            if event["event"] == "log":
+                print(event["text"], file=self.out, flush=True)
+            else:
+                print(f"worker failure: {event['error']}", file=self.out, flush=True)
+        self.events = len(events)
+        for m in rows:
+            if _row_key(m) in self.seen:
+                continue
+            self.seen.add(_row_key(m))
+            if m.get("resumed_from"):
+                print(f"recovered: resumed from the epoch {m['resumed_from']} checkpoint",
+                      file=self.out, flush=True)
+            self.printed.append((time.monotonic(), m["epoch"]))
+            (t0, e0), (t1, e1) = self.printed[0], self.printed[-1]
+            eta = (t1 - t0) / (e1 - e0) * (self.epochs - e1) if e1 > e0 else None
+            print(epoch_line(m, self.epochs, eta), file=self.out, flush=True)
+
+
+def _row_key(row: dict[str, Any]) -> tuple:
+    """An epoch as trained once: a rerun of it (after a failure) has its own timing."""
+    return row["epoch"], row.get("epoch_s")

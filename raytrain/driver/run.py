@@ -1,0 +1,223 @@
+"""The run directory and one training job: build Ray Train's TorchTrainer, run it, turn its
+result into run files, exported weights and a summary.
+
+    from raytrain.driver.run import fit
+    summary = fit(cfg, started_at=time.time())   # on a connected cluster (driver.cluster)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from raytrain import checkpoint, files, ray_compat, report
+from raytrain.config import FIELDS, TrainConfig
+from raytrain.driver import console
+from raytrain.driver.cluster import train_env
+from raytrain.driver.preflight import Shape, check_storage_writable, preflight
+from raytrain.errors import Interrupted, RaytrainError, TrainingError, short
+
+# Settings that do not change what is trained: a run may be resumed with other values.
+NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
+                "wait_timeout", "log_every", "name", "storage_path", "keep_checkpoints",
+                "use_gpu", "cpus_per_worker", "num_workers"}
+
+
+@dataclass
+class Summary:
+    run_dir: str
+    rows: list[dict[str, Any]]
+    wall_s: float
+    first_step_s: float | None
+    model_path: str | None
+    startup: list[tuple[str, float]] | None = None  # the time to first step, by phase
+
+    @property
+    def final(self) -> dict[str, Any]:
+        return self.rows[-1] if self.rows else {}
+
+
+# ---------------------------------------------------------------------------- run dir
+
+
+def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
+    """Create or re-open the run directory; returns the epoch a resumed run restarts after.
+
+    A run directory holding a different config is refused unless --resume or --fresh:
+    nothing already saved is touched before that choice is explicit.
+    """
+    run_dir = cfg.run_dir
+    saved_path = os.path.join(run_dir, "config.yaml")
+    check_storage_writable(cfg.run.storage_path)
+    if fresh and os.path.isdir(run_dir):
+        shutil.rmtree(run_dir)
+    done = 0
+    if os.path.exists(saved_path):
+        with open(saved_path) as f:
+            saved = yaml.safe_load(f) or {}
+        changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
+                         if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
+                         and saved.get(k) != v)
+        if changed and not resume:
+            diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
+            raise RaytrainError(f"--name {cfg.run.name}: {run_dir} holds a run with another "
+                                f"config ({diff}); pass --resume to continue it with these "
+                                "settings, --fresh to delete it and start over, or another --name")
+        done = latest_checkpoint_epoch(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    files.atomic_write(saved_path, yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    return done
+
+
+def latest_checkpoint_epoch(run_dir: str) -> int:
+    """The newest epoch with a complete checkpoint: a copy cut short (a killed run) has no
+    state file or a truncated one (torch.save writes a zip; its directory comes last)."""
+    epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
+              if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
+              and zipfile.is_zipfile(os.path.join(run_dir, d, checkpoint.STATE_FILE))]
+    return max(epochs, default=0)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
+                  driver_outlives_run: bool = False):
+    """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
+    (``ray_compat.make_trainer``)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.api.config import LoggingConfig
+
+    from raytrain.worker.ray_entry import train_loop_per_worker
+
+    c = cfg.cluster
+    return ray_compat.make_trainer(
+        train_loop_per_worker,
+        fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
+        train_loop_config=cfg.to_flat(),
+        scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=shape.use_gpu,
+                                     resources_per_worker={"CPU": c.cpus_per_worker}
+                                     | ({"GPU": 1} if shape.use_gpu else {})),
+        run_config=RunConfig(
+            name=cfg.run.name, storage_path=cfg.run.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints,
+                                               checkpoint_score_attribute="test_acc",
+                                               checkpoint_score_order="max"),
+            # A finite controller limit: no failure is retried forever.
+            failure_config=FailureConfig(max_failures=c.max_failures,
+                                         controller_failure_limit=3),
+            callbacks=callbacks if callbacks is not None else [RunFiles(cfg.run_dir)],
+            logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
+
+
+def _run_files_base():
+    from ray.train.v2.api.callback import UserCallback
+
+    return UserCallback
+
+
+class RunFiles(_run_files_base()):
+    """Train-controller callback (runs on the driver's node): writes metrics.jsonl/.csv and
+    events.jsonl in the run directory after every report."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self._tensorboard = None
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        m = metrics[0]
+        report.record_epoch(self.run_dir, m)
+        if self._tensorboard is None:
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+        for key in report.METRICS[1:]:
+            self._tensorboard.add_scalar(key, m[key], m["epoch"])
+        self._tensorboard.flush()
+
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        rank, err = sorted(worker_exceptions.items())[0]
+        try:
+            report.append_event(self.run_dir, {"event": "worker_failure", "rank": rank,
+                                               "error": f"rank {rank}: {short(err)}",
+                                               "time": time.time()})
+        except OSError:  # a full disk: raising here would fail the run on this, not on err
+            pass
+
+
+def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False
+        ) -> Summary:
+    """Run one training job on the connected cluster and write the run files."""
+    connected_at = time.time()
+    shape = preflight(cfg)
+    train_env(shape)
+    done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
+    model_path = os.path.join(cfg.run_dir, "model.pt")
+    if done >= cfg.optim.epochs and os.path.exists(model_path):
+        print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
+              "(--fresh starts over)", flush=True)
+        return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
+    if done:
+        print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
+              f"({cfg.optim.epochs - done} epochs to go)", flush=True)
+    trainer = build_trainer(cfg, shape)
+    driver = [("Ray up", connected_at), ("preflight", time.time())]
+    with console.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
+        try:
+            result = trainer.fit()
+        except (KeyboardInterrupt, SystemExit):  # Ray's Ctrl-C handler aborted the run
+            result = None
+        except Exception as err:  # Ray raises TrainingFailedError past the failure budget
+            raise TrainingError(_failed(cfg, err)) from None
+    if result is not None and result.error is not None:
+        raise TrainingError(_failed(cfg, result.error))
+    rows = report.read_metrics(cfg.run_dir)
+    if rows and "error" in rows[-1]:
+        raise TrainingError(rows[-1]["error"])
+    if not rows or rows[-1]["epoch"] < cfg.optim.epochs:  # Ctrl-C: Ray aborted the run
+        raise Interrupted(f"interrupted after epoch {rows[-1]['epoch'] if rows else 0} of "
+                            f"{cfg.optim.epochs}; rerun the same command to resume")
+    model_path = export_model(cfg.run_dir, result.checkpoint)
+    report.plot_curves(cfg.run_dir, rows)
+    # The first epoch this command trained (a worker group restarted after a failure adds a
+    # later first_step_at; a resumed run's earlier rows are older than started_at).
+    first = [r for r in rows if r.get("first_step_at", 0) > started_at]
+    return Summary(cfg.run_dir, rows, time.time() - started_at,
+                   first[0]["first_step_at"] - started_at if first else None, model_path,
+                   report.startup_phases(started_at, driver, first[0]) if first else None)
+
+
+def export_model(run_dir: str, ckpt) -> str | None:
+    """model.pt: a plain state_dict of the unwrapped model, loadable without raytrain."""
+    if ckpt is None:
+        return None
+    import torch
+
+    with ckpt.as_directory() as directory:
+        weights = checkpoint.model_weights(directory)
+    path = os.path.join(run_dir, "model.pt")
+    with files.replacing(path) as tmp:
+        torch.save(weights, tmp)
+    return path
+
+
+def _failed(cfg: TrainConfig, err: BaseException) -> str:
+    cause = getattr(err, "controller_failure", None)  # Ray's ControllerError
+    if isinstance(cause, OSError) and cause.errno:  # metrics.jsonl etc. on a full disk
+        done = latest_checkpoint_epoch(cfg.run_dir)
+        kept = f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
+        return checkpoint.storage_failure("writing the run files failed", cause,
+                                          cfg.run.storage_path, kept)
+    restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
+                   if e["event"] == "worker_failure")
+    return (f"training failed ({short(err)}; {restarts} worker failure(s), --max-failures "
+            f"{cfg.cluster.max_failures}); rerun the same command to resume from the latest "
+            "checkpoint")
+
+

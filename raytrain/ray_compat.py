@@ -1,0 +1,404 @@
+"""The one module that touches Ray's private or internal code.
+
+Written against Ray 2.60 (2026-12-03); ``pyproject.toml`` pins ``ray==2.60.*``. Each use below
+says what it works around and what happens when a Ray version lacks it:
+
+- REQUIRED: ``check()`` (on the driver, before any Ray process starts, never on workers and
+  never retried) stops with one line naming the internal.
+- FALLBACK: raytrain runs without it, as documented there, and warns once
+  (``RayCompatWarning``) naming what is lost.
+
+Moving to a new Ray: run the whole suite (``tests/test_architecture.py`` runs every fallback),
+re-read the uses below against the new sources, then widen the pin.
+
+    python -c "from raytrain import ray_compat; ray_compat.check()"
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import warnings
+from typing import Any, Callable
+
+from raytrain.errors import RaytrainError
+
+WRITTEN_FOR = "Ray 2.60 (2026-12-03)"
+
+
+class RayCompatWarning(UserWarning):
+    """A Ray internal raytrain uses is missing; a documented fallback runs instead."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, lost: str) -> None:
+    """One warning per process and internal: ``key`` is missing, ``lost`` is the consequence."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(f"raytrain: this Ray lacks {key} (written for {WRITTEN_FOR}): {lost}",
+                  RayCompatWarning, stacklevel=3)
+
+
+def _internal(module: str, name: str | None = None) -> Any:
+    """``module`` (or its attribute ``name``); None when this Ray lacks it."""
+    try:
+        mod = importlib.import_module(module)
+        return mod if name is None else getattr(mod, name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------- start-up check
+
+
+def check() -> None:
+    """On the driver at start-up: a missing REQUIRED internal is one RaytrainError; a missing
+    FALLBACK internal is one warning each (its fallback then runs silently where it is used)."""
+    missing = [name for name, present in REQUIRED.items() if not present()]
+    if missing:
+        import ray
+
+        raise RaytrainError(f"Ray {ray.__version__} lacks {', '.join(missing)}, which raytrain "
+                            f"needs (written for {WRITTEN_FOR}); install ray==2.60.* (the "
+                            "version pyproject.toml pins)")
+    for name, (present, lost) in FALLBACKS.items():
+        if not present():
+            warn_once(name, lost)
+
+
+# ---------------------------------------------------------------------------- worker side
+
+
+# REQUIRED. Rank 0 copies its checkpoint into the run's storage itself, before report(), so a
+# failing save (full disk) stops the run cleanly on every rank (worker/ray_entry.py
+# _ray_report). Inside report() Ray 2.60 copies after the ranks' barrier and raises on rank 0
+# alone: the group restarts --max-failures times and rank 0 can never report again (a hang).
+# get_storage() is a DeveloperAPI; its StorageContext (train/v2/_internal/execution/storage.py)
+# is internal. Missing: check() fails at start-up (the workers would fail every epoch).
+STORAGE_CONTEXT = "ray.train.v2._internal.execution.storage.StorageContext"
+_STORAGE_METHODS = ("build_checkpoint_path_from_name", "persist_current_checkpoint")
+
+
+def _has_storage_context() -> bool:
+    cls = _internal("ray.train.v2._internal.execution.storage", "StorageContext")
+    ctx = _internal("ray.train.v2._internal.execution.context", "TrainContext")
+    return cls is not None and ctx is not None and hasattr(ctx, "get_storage") and all(
+        hasattr(cls, m) for m in _STORAGE_METHODS)
+
+
+class CheckpointStorage:
+    """The run's checkpoint storage as Ray Train's own report() writes it (on a worker)."""
+
+    def __init__(self):
+        import ray.train
+
+        self._storage = ray.train.get_context().get_storage()
+
+    def path_of(self, name: str) -> str:
+        return self._storage.build_checkpoint_path_from_name(name)
+
+    def persist(self, ckpt, name: str):
+        return self._storage.persist_current_checkpoint(ckpt, name)
+
+    def delete(self, path: str) -> None:
+        self._storage.storage_filesystem.delete_dir(path)
+
+
+# FALLBACK. Ray Train 2.60 logs every report at INFO on a logger named by the file path of
+# train/v2/_internal/execution/context.py, forwarded to the driver (one line per epoch per
+# worker). Missing: those lines are not silenced (the run is unchanged).
+TRAIN_CONTEXT_LOGGER = "ray.train.v2._internal.execution.context"
+
+
+def quiet_report_logs() -> None:
+    module = _internal(TRAIN_CONTEXT_LOGGER)
+    if module is not None and getattr(module, "__file__", None):
+        logging.getLogger(module.__file__).setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------------- driver side
+
+
+# FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
+# is up, beside the driver's preflight, instead of on the controller's way to the first step.
+# Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
+# before; only the earlier start (a second or two of time to first step) is lost.
+STATE_ACTOR = "ray.train.v2._internal.state.state_actor.get_or_create_state_actor"
+
+
+def start_train_state_actor() -> None:
+    start = _internal("ray.train.v2._internal.state.state_actor", "get_or_create_state_actor")
+    if start is None:
+        warn_once(STATE_ACTOR, "the Train state actor starts with the controller, later")
+        return
+    try:
+        start()
+    except Exception:  # noqa: BLE001 - the controller starts it as before
+        pass
+
+
+# FALLBACK. The autoscaler's node types from the GCS (ray._private.state, no public API). Ray
+# 2.60 never writes that key under either autoscaler (get_cluster_config() is None on a
+# `ray up` cluster), so driver/preflight.py then reads the `ray up` bootstrap config itself.
+# Missing: the same bootstrap-config path is taken.
+CLUSTER_CONFIG = "ray._private.state.state.get_cluster_config"
+
+
+def cluster_config():
+    """The GCS's autoscaling cluster config, or None."""
+    state = _internal("ray._private.state", "state")
+    get = getattr(state, "get_cluster_config", None)
+    if get is None:
+        warn_once(CLUSTER_CONFIG, "autoscaling node types come from the `ray up` bootstrap "
+                  "config only")
+        return None
+    try:
+        return get()
+    except Exception:  # noqa: BLE001 - an older GCS without the autoscaler state namespace
+        return None
+
+
+# FALLBACK. A TorchTrainer without the processes a run has no use for (each costs seconds
+# before the first step on a small machine; benchmarks/launcher_overhead.py, README results):
+# - DatasetsCallback's DatasetManager actor, started even without Ray Datasets: dropped when
+#   the trainer has no datasets;
+# - PlacementGroupCleanerCallback's detached cleaner: dropped where the driver exits right
+#   after the controller (a plain run; Ray frees a finished job's groups), kept in Tune trials;
+# - FixedScalingPolicy's resource requests to Ray Data's autoscaling coordinator (whose actor
+#   it starts): dropped where preflight found no autoscaling node types.
+# Uses the private TorchTrainer._create_default_callbacks / _initialize_and_run_controller and
+# the internal classes above. Missing: Ray's own TorchTrainer runs unchanged (nothing
+# dropped: a few seconds more to the first step).
+TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
+                     "ray.train.v2._internal callbacks and FixedScalingPolicy")
+_CALLBACKS = "ray.train.v2._internal.callbacks"
+
+
+def _trainer_internals():
+    from ray.train.torch import TorchTrainer
+
+    found = (_internal(f"{_CALLBACKS}.datasets", "DatasetsCallback"),
+             _internal(f"{_CALLBACKS}.placement_group_callback", "PlacementGroupCleanerCallback"),
+             _internal("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy"))
+    if None in found or not all(hasattr(TorchTrainer, m) for m in (
+            "_create_default_callbacks", "_initialize_and_run_controller")):
+        return None
+    return found
+
+
+def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
+    """``TorchTrainer(*args, **kwargs)``, less the actors above. ``fixed_cluster``: the cluster
+    cannot grow; ``driver_outlives_run``: keep the placement-group cleaner (Tune trials)."""
+    classes = _trainer_classes()
+    if classes is None:
+        from ray.train.torch import TorchTrainer
+
+        warn_once(TRAINER_INTERNALS, FALLBACKS[TRAINER_INTERNALS][1])
+        return TorchTrainer(*args, **kwargs)
+    return classes["Trainer"](*args, fixed_cluster=fixed_cluster,
+                              driver_outlives_run=driver_outlives_run, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_classes() -> dict[str, type] | None:
+    """``Trainer`` and ``FixedClusterPolicy``, defined once this Ray is known to have what they
+    override; importable as ``raytrain.ray_compat.<name>`` (the controller unpickles them)."""
+    found = _trainer_internals()
+    if found is None:
+        return None
+    from ray.train.torch import TorchTrainer
+
+    datasets_cb, cleaner_cb, fixed_policy = found
+
+    class FixedClusterPolicy(fixed_policy):
+        """Ray's fixed scaling policy, minus its resource requests to the autoscaling
+        coordinator (whose actor it would start): a cluster that cannot grow has nobody to
+        answer them."""
+
+        def after_controller_start(self, train_run_context) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _send_resource_request(self) -> None:
+            pass
+
+        def _cancel_resource_request(self) -> None:
+            pass
+
+    class Trainer(TorchTrainer):
+        """``TorchTrainer`` without the actors above."""
+
+        def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fixed_cluster = fixed_cluster
+            self.driver_outlives_run = driver_outlives_run
+
+        def _create_default_callbacks(self):
+            drop: tuple[type, ...] = () if self.datasets else (datasets_cb,)
+            if not self.driver_outlives_run:
+                drop += (cleaner_cb,)
+            return [cb for cb in super()._create_default_callbacks()
+                    if not isinstance(cb, drop)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            if self.fixed_cluster and type(controller_init_kwargs.get("scaling_policy")) is \
+                    fixed_policy:
+                controller_init_kwargs["scaling_policy"] = FixedClusterPolicy(
+                    self.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    classes = {"Trainer": Trainer, "FixedClusterPolicy": FixedClusterPolicy}
+    for name, cls in classes.items():
+        cls.__module__, cls.__qualname__ = __name__, name
+    return classes
+
+
+def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .FixedClusterPolicy
+    classes = _trainer_classes() if name in ("Trainer", "FixedClusterPolicy") else None
+    if classes is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return classes[name]
+
+
+# ---------------------------------------------------------------------------- Tune side
+
+
+# FALLBACK. Placement groups of dead Train controllers (tune/placement.py): Tune ends a trial by
+# ending its process, the controller dies with it and never removes its workers' group, and
+# Ray keeps a group until the driver's job ends; Ray 2.60's PlacementGroupCleaner fails when
+# several Ray clusters share a machine (Ray issue #54305; leaked CPUs stalled later trials).
+# The groups are found by their creator in the GCS table (ray._private.state, gcs_pb2) and
+# removed by id (ray._raylet.PlacementGroupID); controllers are recorded by a
+# WorkerGroupCallback (ray.train.v2._internal.execution.callback). Missing: no reaping; a
+# search may leak the CPUs of trials Tune ended until the search ends (Ray frees them then).
+PLACEMENT_GROUPS = ("the placement-group table (ray._private.state, ray._raylet."
+                    "PlacementGroupID) and WorkerGroupCallback")
+_LOST_REAPER = ("placement groups of ended trials are not removed until the search ends; "
+                "later trials may wait for their CPUs")
+
+
+def worker_group_callback_base() -> type:
+    """Base class of a Train-controller callback called before a worker group starts."""
+    base = _internal("ray.train.v2._internal.execution.callback", "WorkerGroupCallback")
+    return base if base is not None else object
+
+
+def has_placement_group_table() -> bool:
+    state = _internal("ray._private.state", "state")
+    return (state is not None and hasattr(state, "_connect_and_get_accessor")
+            and _internal("ray._raylet", "PlacementGroupID") is not None
+            and _internal("ray.core.generated.gcs_pb2", "PlacementGroupTableData") is not None
+            and worker_group_callback_base() is not object)
+
+
+def can_reap_placement_groups() -> bool:
+    if has_placement_group_table():
+        return True
+    warn_once(PLACEMENT_GROUPS, _LOST_REAPER)
+    return False
+
+
+def live_placement_groups() -> list[tuple[str, str, bool]]:
+    """(id, creator actor id, whether that actor is dead) of each placement group not removed:
+    the GCS table, which ``ray.util.placement_group_table`` shows without its creator."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    table = gcs_pb2.PlacementGroupTableData
+    rows = []
+    for raw in state._connect_and_get_accessor().get_placement_group_table():
+        pg = table.FromString(raw)
+        if pg.state != table.REMOVED:
+            rows.append((pg.placement_group_id.hex(), pg.creator_actor_id.hex(),
+                         pg.creator_actor_dead))
+    return rows
+
+
+def remove_placement_group(pg_hex: str) -> None:
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, remove_placement_group as remove
+
+    remove(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_hex))))
+
+
+# FALLBACK. ASHA's late check (tune/asha.py): Ray's ASHA decides once per rung, so trials that
+# race through rungs together all go on; the late check re-asks at later reports. It reads the
+# scheduler's _trial_info/_metric/_time_attr/_num_stopped and the bracket's _rungs/cutoff()
+# (tune/schedulers/async_hyperband.py). Missing: Ray's plain ASHA decides alone (more trials
+# run to the end; the search is otherwise the same).
+ASHA_INTERNALS = "ASHAScheduler._trial_info/_metric/_time_attr and _Bracket._rungs/cutoff"
+
+
+def has_asha_internals() -> bool:
+    bracket = _internal("ray.tune.schedulers.async_hyperband", "_Bracket")
+    asha = _internal("ray.tune.schedulers", "ASHAScheduler")
+    if bracket is None or asha is None or not hasattr(bracket, "cutoff"):
+        return False
+    probe = asha(time_attr="epoch", metric="m", mode="min", max_t=2, grace_period=1)
+    b = next(iter(getattr(probe, "_brackets", [])), None)
+    return all(hasattr(probe, a) for a in ("_trial_info", "_metric", "_time_attr",
+                                           "_num_stopped")) and hasattr(b, "_rungs")
+
+
+def asha_rungs(scheduler, trial_id: str) -> tuple[list, Callable] | None:
+    """(the rungs [(milestone, {trial_id: value})] of the trial's bracket, its cutoff
+    function), or None without the internals (the late check is then skipped)."""
+    try:
+        bracket = scheduler._trial_info[trial_id]
+        return bracket._rungs, bracket.cutoff
+    except (AttributeError, KeyError):
+        warn_once(ASHA_INTERNALS, "Ray's plain ASHA runs, without raytrain's late check")
+        return None
+
+
+def asha_setting(scheduler, name: str) -> Any:
+    """ASHA's ``metric`` / ``time_attr`` (kept privately as _metric, _time_attr)."""
+    return getattr(scheduler, f"_{name}", None)
+
+
+def asha_count_stopped(scheduler) -> None:
+    if hasattr(scheduler, "_num_stopped"):
+        scheduler._num_stopped += 1
+
+
+# FALLBACK. The Trials of a finished search, with their statuses: ResultGrid has no public
+# per-trial status; its private _experiment_analysis has the Trials. Missing: the Trials are
+# read back from the experiment state Tune saved (ray.tune.ExperimentAnalysis, public).
+RESULT_GRID_TRIALS = "ResultGrid._experiment_analysis"
+
+
+def result_grid_trials(grid) -> list:
+    analysis = getattr(grid, "_experiment_analysis", None)
+    if analysis is None:
+        warn_once(RESULT_GRID_TRIALS, "trial statuses are read back from the saved state")
+        from ray.tune import ExperimentAnalysis
+
+        analysis = ExperimentAnalysis(grid.experiment_path)
+    return list(analysis.trials)
+
+
+REQUIRED: dict[str, Callable[[], bool]] = {STORAGE_CONTEXT: _has_storage_context}
+FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
+    TRAIN_CONTEXT_LOGGER: (lambda: _internal(TRAIN_CONTEXT_LOGGER) is not None,
+                           "Ray Train's per-report INFO lines are not silenced"),
+    STATE_ACTOR: (lambda: _internal("ray.train.v2._internal.state.state_actor",
+                                    "get_or_create_state_actor") is not None,
+                  "the Train state actor starts with the controller, later"),
+    CLUSTER_CONFIG: (lambda: hasattr(_internal("ray._private.state", "state"),
+                                     "get_cluster_config"),
+                     "autoscaling node types come from the `ray up` bootstrap config only"),
+    TRAINER_INTERNALS: (lambda: _trainer_internals() is not None,
+                        "Ray Train's own TorchTrainer runs, with its dataset manager, "
+                        "placement-group cleaner and autoscaling requests"),
+    PLACEMENT_GROUPS: (has_placement_group_table, _LOST_REAPER),
+    ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
+    RESULT_GRID_TRIALS: (lambda: "_experiment_analysis" in getattr(
+        _internal("ray.tune", "ResultGrid"), "__init__", lambda: None).__code__.co_names,
+        "trial statuses are read back from the saved state"),
+}

@@ -1,0 +1,102 @@
+"""Placement groups of Tune trials' Train controllers: record who makes them, remove them once
+their controller is dead (Ray keeps them until the search's driver exits).
+
+    with PlacementGroupReaper(os.path.join(exp_dir, "trials")):
+        tuner.fit()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from raytrain import files, ray_compat
+from raytrain.driver.console import Poller
+
+PG_FILE = "placement_groups.jsonl"
+
+
+class RecordPlacementGroup(ray_compat.worker_group_callback_base()):
+    """Train-controller callback: notes the controller (a line of ``placement_groups.jsonl``)
+    before it creates a worker group's placement group, for ``PlacementGroupReaper``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.recorded = False
+
+    def before_worker_group_start(self, worker_group_context) -> None:
+        import ray
+
+        if not self.recorded:  # once per controller: its restarts make new groups too
+            files.append_jsonl(self.path, {"controller": ray.get_runtime_context().get_actor_id()})
+            self.recorded = True
+
+
+class PlacementGroupReaper(Poller):
+    """Driver thread: removes the placement groups a Train controller made once it is dead.
+
+    Tune ends a trial (early stop, PBT pause or exploit, Ctrl-C) by ending the trial's process;
+    the Train controller it owns dies with it and never removes its workers' placement group,
+    and Ray keeps a group until the job that made it ends: the driver, here, which runs the
+    whole search. Ray 2.60's PlacementGroupCleaner should remove it, but its state-API query
+    fails when several Ray clusters run on one machine ("Found multiple active Ray instances"),
+    and the leaked CPUs stall every later trial (seen here: 60 s worker-group timeouts; Ray
+    issue #54305). And neither it nor a record written once a group has started knows of a
+    group that never finished starting: a controller whose worker died first (Ctrl-C) retries,
+    making a new group in its last moments (seen: one CPU held for the rest of the session, the
+    trials of later searches then ran one at a time). So the groups are found by who made them
+    (the GCS table), and only the controllers are recorded, before they make any.
+    """
+
+    def __init__(self, trials_dir: str, interval_s: float = 1.0, enabled: bool = True):
+        self.trials_dir, self.interval_s, self.enabled = trials_dir, interval_s, enabled
+
+    def __enter__(self):
+        if self.enabled:  # without Ray's placement-group table: ray_compat warned once
+            self._start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self._stop.set()
+        self._thread.join()
+        # Trials stopped last (ASHA at the final epoch) may still be dying: wait for them.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                self.sweep()
+                if not self.pending():
+                    return
+            except Exception:  # noqa: BLE001 - e.g. Ray shut down under us (Ctrl-C)
+                return
+            time.sleep(0.5)
+
+    def controllers(self) -> set[str]:
+        if not os.path.isdir(self.trials_dir):
+            return set()
+        return {rec["controller"] for trial in sorted(os.listdir(self.trials_dir))
+                for rec in files.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE))}
+
+    def pending(self) -> list[str]:
+        """The placement groups of this search's controllers that are not removed yet."""
+        mine = self.controllers()
+        return [pg for pg, creator, _ in ray_compat.live_placement_groups() if creator in mine]
+
+    def poll(self) -> None:
+        try:
+            self.sweep()
+        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next tick
+            pass
+
+    def sweep(self) -> int:
+        """Remove every placement group a dead controller of this search made; returns how
+        many."""
+        mine = self.controllers()
+        removed = 0
+        for pg, creator, creator_dead in ray_compat.live_placement_groups():
+            if creator in mine and creator_dead:
+                ray_compat.remove_placement_group(pg)
+                removed += 1
+        return removed
+

@@ -1,0 +1,221 @@
+"""A search's results: results.csv, tune.png, the best trial's model.pt, the summary.
+
+    from raytrain.tune.results import read_results
+    rows = read_results("runs/my-search")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain import checkpoint, files, ray_compat, report
+from raytrain.config import TrainConfig
+from raytrain.driver.run import export_model
+from raytrain.errors import short
+from raytrain.files import EVENTS_FILE
+from raytrain.tune.trial import TrialFailed
+
+METRIC, MODE = "test_acc", "max"
+
+
+RESULT_COLUMNS = ("trial_id", "lr", "batch_size", "status", "epochs_run", "last_epoch",
+                  "final_test_acc", "best_test_acc", "best_epoch", "checkpoint",
+                  "started_from", "error")
+
+
+@dataclass
+class TuneSummary:
+    exp_dir: str
+    rows: list[dict[str, Any]]
+    epochs: int
+    num_workers: int
+    wall_s: float
+    plot: str | None
+    model_path: str | None
+
+    @property
+    def best(self) -> dict[str, Any] | None:
+        ok = [r for r in self.rows if r["status"] != "failed" and r["best_test_acc"] != ""]
+        return max(ok, key=lambda r: r["best_test_acc"], default=None)
+
+    @property
+    def worker_epochs(self) -> int:
+        """Compute spent: epochs trained over all trials x workers per trial."""
+        return sum(r["epochs_run"] for r in self.rows) * self.num_workers
+
+
+def _trials(grid) -> list:
+    return ray_compat.result_grid_trials(grid)
+
+
+def saved_statuses(exp_dir: str) -> dict[str, str]:
+    """Trial statuses as Tune saved them. After Ctrl-C, Tune saves the experiment and then
+    marks every trial in memory TERMINATED; the saved state still says which were unfinished
+    (and a re-run resumes those)."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return {t.trial_id: t.status for t in ExperimentAnalysis(exp_dir).trials}
+    except Exception:  # noqa: BLE001 - no saved state: the in-memory statuses stand
+        return {}
+
+
+def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
+    """results.csv, tune.png and the best trial's model.pt from a finished (or stopped) search."""
+    exp_dir = cfg.run_dir
+    saved = saved_statuses(exp_dir)
+    rows = [trial_row(cfg, trial, result, saved.get(trial.trial_id, trial.status))
+            for trial, result in zip(_trials(grid), grid)]
+    rows.sort(key=lambda r: r["trial_id"])
+    write_csv(os.path.join(exp_dir, "results.csv"), rows)
+    summary = TuneSummary(exp_dir, rows, cfg.optim.epochs, cfg.cluster.max_workers, wall_s,
+                          None, None)
+    summary.plot = plot(exp_dir, rows)
+    best = summary.best
+    if best and best["checkpoint"]:
+        from ray.train import Checkpoint
+
+        summary.model_path = export_model(exp_dir, Checkpoint(best["checkpoint"]))
+    return summary
+
+
+def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, Any]:
+    trial_dir = os.path.join(cfg.run_dir, "trials", trial.trial_id)
+    rows = report.read_metrics(trial_dir)
+    reports = result.metrics_dataframe
+    n_reports = 0 if reports is None or "epoch" not in reports else int(
+        reports["epoch"].notna().sum())
+    if cfg.tune.scheduler != "pbt" and rows:  # Tune forgets reports from before a restore
+        n_reports = max(n_reports, rows[-1]["epoch"])
+    error = ""
+    if rows and "error" in rows[-1]:  # the loop's NaN stop
+        status, error = "failed", rows[-1]["error"]
+    elif tune_status == "ERROR":
+        status, error = "failed", trial_error(trial.trial_id, cfg.run_dir, result.error)
+    elif rows and rows[-1]["epoch"] >= cfg.optim.epochs:
+        status = "completed"
+    elif tune_status == "TERMINATED":
+        status = "stopped"
+    else:
+        status = tune_status.lower()  # pending / running / paused: an interrupted search
+    accs = [(r["test_acc"], r["epoch"]) for r in rows
+            if isinstance(r.get("test_acc"), float) and math.isfinite(r["test_acc"])]
+    best_acc, best_epoch = max(accs, default=("", ""))
+    starts = files.read_jsonl(os.path.join(trial_dir, "starts.jsonl"))
+    return {
+        "trial_id": trial.trial_id, "lr": float(trial.config["lr"]),
+        "batch_size": int(trial.config["batch_size"]), "status": status,
+        "epochs_run": n_reports, "last_epoch": rows[-1]["epoch"] if rows else 0,
+        "final_test_acc": rows[-1]["test_acc"] if rows else "",
+        "best_test_acc": best_acc, "best_epoch": best_epoch,
+        "checkpoint": best_checkpoint(reports),
+        "started_from": ";".join(f"{s['from_trial']}@{s['from_epoch']}" for s in starts
+                                 if s.get("from_trial") and s["from_trial"] != trial.trial_id),
+        "error": error,
+    }
+
+
+def trial_error(trial_id: str, exp_dir: str | None, err: BaseException | None = None) -> str:
+    """The one-line reason a trial failed: what the trial recorded, else Ray's error."""
+    if exp_dir is not None:
+        events = files.read_jsonl(os.path.join(exp_dir, "trials", trial_id, EVENTS_FILE))
+        failed = [e["error"] for e in events if e["event"] == "trial_failed"]
+        if failed:
+            return failed[-1]
+    if err is None:
+        return "see the trial's error.txt"
+    text = short(err)
+    return text.removeprefix(f"{TrialFailed.__module__}.TrialFailed: ").removeprefix(
+        "TrialFailed: ")
+
+
+def best_checkpoint(reports) -> str:
+    """The reported checkpoint with the best test_acc that is still on disk."""
+    if reports is None or "checkpoint_path" not in reports or METRIC not in reports:
+        return ""
+    rows = reports.dropna(subset=["checkpoint_path", METRIC]).sort_values(
+        METRIC, ascending=False, kind="stable")
+    for path in rows["checkpoint_path"]:
+        if os.path.exists(os.path.join(path, checkpoint.STATE_FILE)):
+            return path
+    return ""
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    files.write_csv(path, RESULT_COLUMNS, rows)
+
+
+def read_results(exp_dir: str) -> list[dict[str, str]]:
+    return files.read_csv(os.path.join(exp_dir, "results.csv"))
+
+
+def plot(exp_dir: str, rows: list[dict[str, Any]]) -> str | None:
+    """tune.png: test accuracy vs epoch per trial; lr vs best test accuracy."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_curve, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = sorted({r["batch_size"] for r in rows})
+    colors = {b: plt.cm.viridis(i / max(len(sizes) - 1, 1)) for i, b in enumerate(sizes)}
+    for r in rows:
+        metrics = report.read_metrics(os.path.join(exp_dir, "trials", r["trial_id"]))
+        style = {"failed": ":", "stopped": "--"}.get(r["status"], "-")
+        ax_curve.plot([m["epoch"] for m in metrics], [m["test_acc"] for m in metrics], style,
+                      marker=".", label=f"{r['trial_id'][-5:]} lr {r['lr']:.2g} b{r['batch_size']}")
+        acc = r["best_test_acc"] if r["best_test_acc"] != "" else 0.0
+        ax_lr.scatter(r["lr"], acc, color=colors[r["batch_size"]],
+                      marker="x" if r["status"] == "failed" else "o", s=50)
+    for b, color in colors.items():
+        ax_lr.scatter([], [], color=color, label=f"batch {b}")
+    ax_lr.scatter([], [], color="gray", marker="x", label="failed")
+    ax_curve.set(xlabel="epoch", ylabel="test accuracy",
+                 title="test accuracy per trial (dashed: stopped early)")
+    ax_lr.set(xscale="log", xlabel="learning rate (global batch)", ylabel="best test accuracy",
+              title="learning rate vs best test accuracy")
+    for ax in (ax_curve, ax_lr):
+        ax.grid(alpha=0.3)
+    ax_curve.legend(fontsize=7, ncol=2)
+    ax_lr.legend(fontsize=8)
+    return report.save_figure(fig, exp_dir, "tune.png")
+
+
+def summary_text(summary: TuneSummary) -> str:
+    head = (f"{'trial':<12} {'lr':>9} {'batch':>5} {'status':<9} {'epochs':>6} "
+            f"{'final_acc':>9} {'best_acc':>8}")
+    lines = [head]
+    for r in summary.rows:
+        final = f"{r['final_test_acc']:.4f}" if r["final_test_acc"] != "" else "-"
+        best = f"{r['best_test_acc']:.4f}" if r["best_test_acc"] != "" else "-"
+        lines.append(f"{r['trial_id']:<12} {r['lr']:>9.3g} {r['batch_size']:>5} "
+                     f"{r['status']:<9} {r['epochs_run']:>6} {final:>9} {best:>8}"
+                     + (f"  from {r['started_from']}" if r["started_from"] else ""))
+    for r in summary.rows:
+        if r["status"] == "failed":
+            lines.append(f"trial {r['trial_id']} failed: {r['error']}")
+    most = len(summary.rows) * summary.epochs * summary.num_workers
+    lines.append(f"worker-epochs spent: {summary.worker_epochs} of {most} for every trial "
+                 f"to run all {summary.epochs} epochs; wall time {summary.wall_s:.1f}s")
+    best = summary.best
+    if best:
+        lines.append(f"best: trial {best['trial_id']}: lr {best['lr']:.4g}, batch_size "
+                     f"{best['batch_size']}: test_acc {best['best_test_acc']:.4f} at epoch "
+                     f"{best['best_epoch']}")
+        lines.append(f"best checkpoint: {best['checkpoint'] or '(none kept)'}")
+    lines.append(f"results: {os.path.join(summary.exp_dir, 'results.csv')}"
+                 + (f", plot: {summary.plot}" if summary.plot else ""))
+    if summary.model_path:
+        lines.append(f"weights: {summary.model_path}")
+    return "\n".join(lines)
+
+
+def print_summary(summary: TuneSummary) -> None:
+    print()
+    print(summary_text(summary))
+

@@ -1,0 +1,260 @@
+"""Test helpers shared by the test files (fixtures live in conftest.py): data, processes, ports,
+waits on real conditions, run files, file systems."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import psutil
+import pytest
+import yaml
+
+from raytrain.driver import cluster as driver_cluster
+from raytrain.report import read_metrics
+
+
+def write_tiny_cifar(root, n_per_batch: int = 20, n_test: int = 40, classes: int = 10,
+                     seed: int = 0) -> str:
+    """A tiny dataset in CIFAR-10's on-disk format (cifar-10-batches-py/ pickles).
+
+    Images carry a learnable signal: the class sets the mean brightness of one channel.
+    """
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(folder, exist_ok=True)
+
+    def batch(n: int) -> dict:
+        labels = rng.integers(0, classes, n)
+        images = rng.integers(0, 64, (n, 3, 32, 32)).astype(np.uint8)
+        images[np.arange(n), labels % 3] += (labels * 19).astype(np.uint8)[:, None, None]
+        return {"data": images.reshape(n, -1), "labels": labels.tolist(),
+                "batch_label": "tiny"}
+
+    for name in [f"data_batch_{i}" for i in range(1, 6)]:
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump(batch(n_per_batch), f)
+    with open(os.path.join(folder, "test_batch"), "wb") as f:
+        pickle.dump(batch(n_test), f)
+    with open(os.path.join(folder, "batches.meta"), "wb") as f:
+        pickle.dump({"label_names": [f"class{i}" for i in range(classes)]}, f)
+    return folder
+
+
+def end_processes(procs: list[psutil.Process], grace_s: float = 10) -> None:
+    """SIGTERM, wait ``grace_s``, then SIGKILL what is left (processes a test started)."""
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def metrics(run_dir) -> list[dict[str, Any]]:
+    """The run's metrics.jsonl rows; [] before the first epoch."""
+    return read_metrics(str(run_dir))
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str,
+               proc: subprocess.Popen | None = None, interval: float = 0.1) -> Any:
+    """Poll ``condition`` until it is truthy (returned) or ``timeout`` s pass (an assertion
+    naming ``what``); a ``proc`` that exits meanwhile fails at once with its output."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if proc is not None:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else proc.returncode
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(interval)
+
+
+def wait_for_epoch(run_dir, epoch: int, proc, timeout: float = 180) -> None:
+    wait_until(lambda: any(r["epoch"] >= epoch for r in metrics(run_dir)), timeout,
+               f"epoch {epoch} reported", proc)
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until ``procs`` have exited (zombies count as gone); returns those still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path, size: str, options: str = ""):
+    """A real file system of ``size`` at ``path`` (needs root: this machine and CI have it)."""
+    os.makedirs(path)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs",
+                              str(path)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()[:120]}): a real full "
+                    "disk needs mount permission (root)")
+    try:
+        yield path
+    finally:  # lazily if a Ray process still holds a file open in it
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def read_only_dir(path):
+    """A directory nobody can write to, root included: a read-only tmpfs as root, else mode
+    0500 (which root would ignore)."""
+    if os.geteuid() == 0:
+        with small_tmpfs(path, "1m", ",ro") as mounted:
+            yield mounted
+        return
+    os.makedirs(path)
+    os.chmod(path, 0o500)
+    try:
+        yield path
+    finally:
+        os.chmod(path, 0o700)
+
+
+# ---------------------------------------------------------------------------- Ray clusters
+
+
+REPO = Path(__file__).resolve().parents[1]
+AWS = REPO / "cluster.yaml"
+ONPREM = REPO / "examples" / "cluster-onprem.yaml"
+BIN = os.path.dirname(sys.executable)
+
+
+def raw_config(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def start_parts(command: str) -> tuple[dict[str, str], list[str]]:
+    """(variables exported, `ray start` argv) of ``... && export K=V && ray start ...``."""
+    env: dict[str, str] = {}
+    argv: list[str] = []
+    for part in command.split("&&"):
+        words = shlex.split(part.strip())
+        if words[:1] == ["export"]:
+            env.update(word.split("=", 1) for word in words[1:])
+        elif words[:2] == ["ray", "start"]:
+            argv = words
+    return env, argv
+
+
+# Run with the cluster's env: alive and dead nodes (ray.nodes()) and Ray Train worker actors,
+# alive or finished, with the node each ran on (Ray's state API).
+PROBE = """
+import json, sys, ray
+from ray.util.state import list_actors
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+actors = list_actors(address=sys.argv[1], filters=[("class_name", "=", "RayTrainWorker")],
+                     limit=10000, raise_on_missing_output=False)
+print("PROBE " + json.dumps({"nodes": ray.nodes(), "workers": [
+    {"id": a.actor_id, "node_id": a.node_id, "pid": a.pid} for a in actors]}))
+"""
+
+
+class LocalCluster:
+    """Ray nodes started here with `ray start`, each in a process session of its own."""
+
+    def __init__(self):
+        # Short: Ray puts unix sockets under the temp dir (108-byte path limit).
+        self.base = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+        self.sessions: list[int] = []
+        token = self.base / "auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        config = raw_config(AWS)
+        self.head_env, self.head_argv = start_parts(config["head_start_ray_commands"][-1])
+        self.node_env, self.node_argv = start_parts(config["worker_start_ray_commands"][-1])
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        env.update(driver_cluster.CONTROLLER_ENV, PATH=BIN + os.pathsep + env.get("PATH", ""),
+                   RAY_AUTH_TOKEN_PATH=str(token))  # this cluster's token, not ~/.ray's
+        self.env = env
+        self.client_env = {**env, "RAY_AUTH_MODE": "token"}  # as docs/cluster.md says
+        self.port, self.dashboard_port = free_port(""), free_port("")
+        self.address = f"127.0.0.1:{self.port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+
+    def start_head(self) -> int:
+        return self._start(self.head_argv, self.head_env, port=self.port,
+                           dashboard_port=self.dashboard_port, include_dashboard="true",
+                           ray_client_server_port=free_port(""))
+
+    def add_node(self, **flags) -> int:
+        """Start one more node joining the head; returns its session id (see stop_session)."""
+        return self._start(self.node_argv, self.node_env, address=self.address, **flags)
+
+    def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
+        flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
+                 "dashboard_agent_listen_port": free_port(""), **flags,
+                 "temp_dir": self.base / "ray"}
+        machine_bound = ("--port=", "--address=", "--object-manager-port=", "--autoscaling-config=")
+        cmd = [shutil.which("ray", path=BIN)]
+        cmd += [a for a in argv[1:] if not a.startswith(machine_bound)]
+        cmd += [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
+        proc = subprocess.Popen(cmd, env={**self.env, **exports}, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.sessions.append(proc.pid)  # the daemons it leaves behind keep this session id
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out[-3000:]
+        return proc.pid
+
+    def run(self, argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, env=self.client_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+    def probe(self) -> dict:
+        out = self.run([sys.executable, "-c", PROBE, self.address], timeout=120)
+        assert out.returncode == 0, out.stdout[-3000:]
+        line = [ln for ln in out.stdout.splitlines() if ln.startswith("PROBE ")][-1]
+        return json.loads(line.removeprefix("PROBE "))
+
+    def _ours(self, sessions: set[int]) -> list[psutil.Process]:
+        """Processes in the given sessions, or (job drivers Ray starts in new sessions) whose
+        command line names this cluster's own directory."""
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if p.pid != os.getpid() and (os.getsid(p.pid) in sessions or any(
+                        f"{self.base}/" in arg for arg in p.info["cmdline"] or ())):
+                    found.append(p)
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    def stop_session(self, session: int) -> None:
+        end_processes([p for p in self._ours({session}) if os.getsid(p.pid) == session])
+
+    def stop(self) -> None:
+        end_processes(self._ours(set(self.sessions)))
+        shutil.rmtree(self.base, ignore_errors=True)

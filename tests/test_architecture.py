@@ -1,0 +1,275 @@
+"""The package's boundaries (an ast scan, no imports) and ray_compat's fallbacks, each run with
+its Ray internal made missing.
+
+    python -m pytest -q tests/test_architecture.py
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import warnings
+
+import pytest
+
+from raytrain import ray_compat
+from raytrain.errors import RaytrainError
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "raytrain"
+PRIVATE_RAY = ("ray._private", "ray._raylet")
+# Private attributes of Ray objects raytrain reads or overrides: ray_compat's alone.
+PRIVATE_ATTRS = {"_experiment_analysis", "_trial_info", "_rungs", "_num_stopped", "_metric",
+                 "_time_attr", "_create_default_callbacks", "_initialize_and_run_controller",
+                 "_connect_and_get_accessor", "_maybe_send_resource_request"}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _imports(tree: ast.Module, module: str) -> set[str]:
+    """Every module ``module`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative
+                pkg = module.split(".")[:-node.level + (1 if module.endswith("__init__") else 0)
+                                        or None]
+                base = ".".join(pkg + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return found
+
+
+MODULES = _modules()
+GRAPH = {m: {i for i in _imports(t, m) if i in MODULES and i != m} for m, t in MODULES.items()}
+
+
+def _reach(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in GRAPH[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_no_import_cycles():
+    cycles = sorted(m for m in MODULES if m in _reach(m) and m != "raytrain")
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_worker_never_imports_driver_tune_cli_or_fit():
+    # worker.local is the torchrun entry point: it takes the CLI's parser (cli -> config) and
+    # nothing else of the driver's side.
+    forbidden = ("raytrain.driver", "raytrain.tune", "raytrain.cli", "raytrain.fit")
+    for module in ("raytrain.worker.loop", "raytrain.worker.ray_entry"):
+        bad = sorted(m for m in _reach(module) if m.startswith(forbidden))
+        assert not bad, f"{module} reaches {bad}"
+    bad = sorted(m for m in _reach("raytrain.worker.local")
+                 if m.startswith(forbidden) and m != "raytrain.cli")
+    assert not bad, f"raytrain.worker.local reaches {bad}"
+
+
+def test_driver_never_imports_tune():
+    for module in (m for m in MODULES if m.startswith("raytrain.driver")):
+        bad = sorted(m for m in _reach(module) if m.startswith("raytrain.tune"))
+        assert not bad, f"{module} reaches {bad}"
+
+
+def test_only_ray_compat_touches_ray_internals():
+    for module, tree in MODULES.items():
+        if module == "raytrain.ray_compat":
+            continue
+        private = sorted(i for i in _imports(tree, module)
+                         if i.startswith(PRIVATE_RAY) or "._internal" in i)
+        assert not private, f"{module} imports {private}"
+        attrs = sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+                       & PRIVATE_ATTRS)
+        assert not attrs, f"{module} uses Ray's private {attrs}"
+        patched = [ast.unparse(t) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                   for t in n.targets if ast.unparse(t).startswith("ray.")]
+        assert not patched, f"{module} monkeypatches {patched}"
+
+
+# ---------------------------------------------------------------------------- fallbacks
+
+
+@pytest.fixture
+def missing(monkeypatch):
+    """``missing("ray.x.y")``: ray_compat sees that module (and its attributes) as absent."""
+    real = ray_compat._internal
+    gone: list[str] = []
+
+    def internal(module, name=None):
+        full = f"{module}.{name}" if name else module
+        if any(full == g or full.startswith(g + ".") or module == g for g in gone):
+            return None
+        return real(module, name)
+
+    monkeypatch.setattr(ray_compat, "_internal", internal)
+    monkeypatch.setattr(ray_compat, "_warned", set())
+    ray_compat._trainer_classes.cache_clear()
+
+    def make_missing(module: str) -> None:
+        gone.append(module)
+        ray_compat._trainer_classes.cache_clear()
+
+    yield make_missing
+    ray_compat._trainer_classes.cache_clear()
+
+
+def _compat_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, ray_compat.RayCompatWarning)]
+
+
+def test_this_ray_has_every_internal():
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ray_compat.check()
+    assert not _compat_warnings(record)
+
+
+@pytest.mark.parametrize("key", sorted(ray_compat.FALLBACKS))
+def test_check_warns_once_per_missing_fallback(key, missing, monkeypatch):
+    present, lost = ray_compat.FALLBACKS[key]
+    monkeypatch.setitem(ray_compat.FALLBACKS, key, (lambda: False, lost))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ray_compat.check()
+        ray_compat.check()
+    assert _compat_warnings(record) == [f"raytrain: this Ray lacks {key} (written for "
+                                        f"{ray_compat.WRITTEN_FOR}): {lost}"]
+
+
+def test_required_internal_missing_is_one_line_at_start_up(missing, tmp_path, capsys):
+    from raytrain import fit
+
+    missing("ray.train.v2._internal.execution.storage")
+    with pytest.raises(RaytrainError, match="lacks ray.train.v2._internal.execution.storage"):
+        ray_compat.check()
+    rc = fit.main(["--dry-run", "--dataset", "digits", "--storage-path", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "install ray==2.60.*" in err[0], err
+
+
+def test_report_logs_fallback_leaves_logging_alone(missing):
+    import logging
+
+    before = dict(logging.Logger.manager.loggerDict)
+    missing(ray_compat.TRAIN_CONTEXT_LOGGER)
+    ray_compat.quiet_report_logs()  # workers: silent, no error (the driver's check warned)
+    assert dict(logging.Logger.manager.loggerDict) == before
+
+
+def test_state_actor_fallback_leaves_it_to_the_controller(missing):
+    missing("ray.train.v2._internal.state.state_actor")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ray_compat.start_train_state_actor()
+        ray_compat.start_train_state_actor()
+    assert len(_compat_warnings(record)) == 1
+
+
+def test_cluster_config_fallback_reads_the_bootstrap_config(missing, monkeypatch, tmp_path):
+    from raytrain.driver import preflight
+
+    path = tmp_path / "bootstrap.yaml"
+    path.write_text("max_workers: 2\navailable_node_types:\n  gpu:\n    max_workers: 2\n"
+                    "    resources: {CPU: 8, GPU: 1}\n")
+    monkeypatch.setattr(preflight, "BOOTSTRAP_CONFIG", str(path))
+    missing("ray._private.state")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        groups = preflight.autoscaling_groups()
+        preflight.autoscaling_groups()
+    assert groups == [{"resources": {"CPU": 8.0, "GPU": 1.0}, "max_count": 2}]
+    assert len(_compat_warnings(record)) == 1
+
+
+def test_trainer_fallback_is_ray_trainer_unchanged(missing, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    def build():
+        return ray_compat.make_trainer(lambda config: None, fixed_cluster=True,
+                                       driver_outlives_run=False,
+                                       scaling_config=ScalingConfig(num_workers=1),
+                                       run_config=RunConfig(storage_path=str(tmp_path)))
+
+    assert type(build()).__name__ == "Trainer"  # this Ray: raytrain's trainer
+    missing("ray.train.v2._internal.callbacks.datasets")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainers = [build(), build()]
+    assert all(type(t) is TorchTrainer for t in trainers)
+    assert len(_compat_warnings(record)) == 1
+
+
+def test_placement_group_fallback_turns_the_reaper_off(missing, tmp_path):
+    from raytrain.tune.placement import PlacementGroupReaper
+
+    assert ray_compat.can_reap_placement_groups()
+    missing("ray._raylet")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert not ray_compat.can_reap_placement_groups()
+        assert not ray_compat.can_reap_placement_groups()
+    assert len(_compat_warnings(record)) == 1
+    with PlacementGroupReaper(str(tmp_path), enabled=False) as reaper:  # no thread, no table
+        assert not hasattr(reaper, "_thread")
+    missing("ray.train.v2._internal.execution.callback")
+    assert ray_compat.worker_group_callback_base() is object
+
+
+def test_asha_fallback_is_rays_plain_asha(missing, monkeypatch):
+    from ray.tune.experiment import Trial
+    from ray.tune.schedulers import ASHAScheduler
+
+    from raytrain.tune.asha import LateCheckASHA
+
+    real = ray_compat.asha_rungs
+    monkeypatch.setattr(ray_compat, "asha_rungs", lambda s, t: real(object(), t))
+    kwargs = dict(time_attr="epoch", metric="test_loss", mode="min", max_t=8, grace_period=1,
+                  reduction_factor=2)
+
+    def race(scheduler):
+        slow, fast = (Trial("run_trial", trial_id=i, stub=True) for i in ("slow", "fast"))
+        for trial in (slow, fast):
+            scheduler.on_trial_add(None, trial)
+        return [(scheduler.on_trial_result(None, slow, {"epoch": e, "test_loss": 2.3}),
+                 scheduler.on_trial_result(None, fast, {"epoch": e, "test_loss": 2.0 / e}))
+                for e in range(1, 5)]
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ours = race(LateCheckASHA(**kwargs))
+    assert ours == race(ASHAScheduler(**kwargs))
+    assert len(_compat_warnings(record)) == 1
+
+
+def test_result_grid_fallback_reads_the_saved_state(missing, monkeypatch):
+    import ray.tune
+
+    class Analysis:
+        def __init__(self, path):
+            self.trials = [f"trial from {path}"]
+
+    monkeypatch.setattr(ray.tune, "ExperimentAnalysis", Analysis)
+
+    class Grid:  # a ResultGrid without its private _experiment_analysis
+        experiment_path = "/runs/search"
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trials = [ray_compat.result_grid_trials(Grid()) for _ in range(2)]
+    assert trials == [["trial from /runs/search"]] * 2
+    assert len(_compat_warnings(record)) == 1
