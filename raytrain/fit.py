@@ -169,15 +169,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_summary(summary) -> None:
-    from raytrain.report import summary_table
+    from raytrain.report import final_line, summary_table
 
     print()
     print(summary_table(summary.rows))
-    final = summary.final
-    if final:
-        best = max(summary.rows, key=lambda r: r["test_acc"])
-        print(f"final test_acc {final['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
-              f"{best['epoch']}), test_loss {final['test_loss']:.4f}")
+    if summary.rows:
+        print(final_line(summary.rows))
     if summary.first_step_s is not None:
         phases = " + ".join(f"{name} {sec:.1f}" for name, sec in summary.startup or [])
         print(f"time to first step {summary.first_step_s:.1f}s"

@@ -176,6 +176,13 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def final_line(rows: list[dict[str, Any]]) -> str:
+    """The summary's verdict: the last epoch's test accuracy and the best one."""
+    final, best = rows[-1], max(rows, key=lambda r: r["test_acc"])
+    return (f"final test_acc {final['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
+            f"{best['epoch']}), test_loss {final['test_loss']:.4f}")
+
+
 def plot_curves(run_dir: str, rows: list[dict[str, Any]]) -> str | None:
     """learning_curves.png: loss and accuracy vs epoch, train and test."""
     if not rows:
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"raytrain: error: {args.run_dir}: no metrics.jsonl", file=sys.stderr)
         return 2
     print(summary_table(rows))
+    print(final_line(rows))
     print(f"plot: {plot_curves(args.run_dir, rows)}")
     return 0
 
