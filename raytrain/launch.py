@@ -140,11 +140,12 @@ def start_head() -> str:
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # `ray start` binds the dashboard to exactly --dashboard-port (8265 unless given) and, with
+    # that port taken (another local cluster), starts none, silently: pass a free one.
+    port = _free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
-           f"--port={port}", "--dashboard-host=127.0.0.1", "--disable-usage-stats"]
+           f"--port={port}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={_free_port(8265)}", "--disable-usage-stats"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RaytrainError(f"--keep-cluster: ray start --head failed: "
@@ -152,8 +153,21 @@ def start_head() -> str:
     return f"127.0.0.1:{port}"
 
 
+def _free_port(preferred: int = 0) -> int:
+    """``preferred`` if nothing listens there on 127.0.0.1, else a free port."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", preferred))
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def print_dashboard(url: str | None, kept: bool) -> None:
     if not url:
+        if kept:
+            print("Ray dashboard: did not start (see the cluster's logs/dashboard.log); the "
+                  "cluster stays up after the run: stop it with `ray stop`", flush=True)
         return
     auth = f"; sign in with the token in {TOKEN_FILE}" if os.path.exists(TOKEN_FILE) else ""
     life = ("it stays up after the run: stop it with `ray stop`" if kept else

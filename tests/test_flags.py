@@ -110,7 +110,6 @@ def test_log_every_prints_rank0_loss_lines(adamw_run):
     assert [t.split("]")[0] for t in logged] == [
         "[epoch 1, batch     5/12", "[epoch 1, batch    10/12",
         "[epoch 2, batch     5/12", "[epoch 2, batch    10/12"], logged
-    assert all(t in out for t in logged)  # and the driver printed them
 
 
 def test_report_prints_the_summary_and_redraws_the_plot(adamw_run):
