@@ -53,7 +53,8 @@ class ClusterConfig:
 
     num_workers: Any = _opt(2, "training workers (one DDP replica each); MIN:MAX = elastic",
                             metavar="N|MIN:MAX")
-    use_gpu: bool | None = _opt(None, "one GPU per worker (default: if the cluster has GPUs)",
+    use_gpu: bool | None = _opt(None, "one GPU per worker (default: if the cluster has GPUs; "
+                                "--use-gpu on a cluster without GPUs fails at once)",
                                 flags=("--use-gpu", "--no-gpu"))
     cpus_per_worker: float = _opt(1.0, "logical CPUs reserved per worker")
     address: str | None = _opt(None, "existing Ray cluster (auto or HOST:PORT); default "
@@ -92,9 +93,11 @@ class ModelConfig:
                       "resnet18 or any torchvision classification model name")
     pretrained: str | None = _opt(None, "local weights file (state_dict) to start from; the "
                                   "classifier head is replaced to fit the classes")
-    compile: bool = _opt(False, "torch.compile the model (worth it on GPUs for long runs)")
     stem: str = _opt("auto", "ResNets' stem: cifar (conv1 stride 1, no max-pool), imagenet "
                      "(torchvision's), auto = cifar for images <= 64 px", choices=STEMS)
+    compile: bool = _opt(False, "torch.compile the model (worth it on GPUs for long runs; on "
+                         "CPU it works but compiling takes about a minute on 2 cores and the "
+                         "compiled step is not faster)")
 
     def __post_init__(self) -> None:
         from raytrain.models import check_model_name
@@ -141,7 +144,8 @@ class OptimConfig:
     optimizer: str = _opt("sgd", "optimizer", choices=OPTIMIZERS)
     lr_schedule: str = _opt("onecycle", "learning-rate schedule over all steps",
                             choices=LR_SCHEDULES)
-    precision: str = _opt("auto", "autocast dtype; auto = bf16 on GPU, fp32 on CPU",
+    precision: str = _opt("auto", "autocast dtype; auto = bf16 on GPU, fp32 on CPU (on CPU "
+                          "bf16 and fp16 work too; fp16 is several times slower there)",
                           choices=PRECISIONS)
     nan_policy: str = _opt("stop", "on a NaN/inf loss: stop the run, or skip the step",
                            choices=NAN_POLICIES)

@@ -110,9 +110,12 @@ def start_head() -> str:
     """``ray start --head`` for --keep-cluster: the cluster and its dashboard outlive the run."""
     import subprocess
 
+    # `ray start` binds the dashboard to exactly --dashboard-port (8265 unless given) and, with
+    # that port taken (another local cluster), starts none, silently: pass a free one.
     port = free_port()
     cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--head",
-           f"--port={port}", "--dashboard-host=127.0.0.1", "--disable-usage-stats"]
+           f"--port={port}", "--dashboard-host=127.0.0.1",
+           f"--dashboard-port={free_port(8265)}", "--disable-usage-stats"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
         raise RaytrainError(f"--keep-cluster: ray start --head failed: "
@@ -137,8 +140,11 @@ def _check_reachable(address: str) -> None:
 
 
 
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
+def free_port(preferred: int = 0) -> int:
+    """``preferred`` if nothing listens there on 127.0.0.1, else a port the OS picks."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        try:
+            sock.bind(("127.0.0.1", preferred))
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -25,6 +25,9 @@ TOKEN_FILE = os.path.expanduser("~/.ray/auth_token")
 
 def print_dashboard(url: str | None, kept: bool) -> None:
     if not url:
+        if kept:
+            print("Ray dashboard: did not start (see the cluster's logs/dashboard.log); the "
+                  "cluster stays up after the run: stop it with `ray stop`", flush=True)
         return
     auth = f"; sign in with the token in {TOKEN_FILE}" if os.path.exists(TOKEN_FILE) else ""
     life = ("it stays up after the run: stop it with `ray stop`" if kept else
