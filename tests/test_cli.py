@@ -129,7 +129,8 @@ def test_pretrained_weights_load_with_a_new_head(tmp_path):
 
     model = build_model("seed-cnn", 10, str(tmp_path / "w.pt"))
     assert torch.equal(model.conv1.weight, donor.conv1.weight)
-    assert model.fc3.weight.shape == (10, 84)
+    assert model.fc2.weight.shape == (10, 512)  # the head is new, fc1 is the donor's
+    assert torch.equal(model.fc1.weight, donor.fc1.weight)
 
 
 def test_bad_data_dir_fails_before_any_ray_process(tmp_path, capsys):

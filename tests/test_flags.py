@@ -185,7 +185,7 @@ def test_cifar100_format_trains_a_100_class_model(ray_cluster, tmp_path):
     assert math.isfinite(rows[0]["train_loss"])
     model = SeedCNN(100)  # strict: a 10-class head would not load
     model.load_state_dict(torch.load(tmp_path / "c100" / "model.pt", weights_only=True))
-    assert model.fc3.out_features == 100
+    assert model.fc2.out_features == 100
 
 
 def test_augment_flags_change_what_is_trained(capsys):
