@@ -179,7 +179,8 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
         # Sums stay on the device (no per-step sync); the count is plain Python.
         sums[:2] += torch.stack([loss.detach().double() * len(y), correct.double()])
         count += len(y)
-        first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
+        if not skip:  # --nan-policy skip: train_step skipped a non-finite step; go on
+            first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
         if worker.master and cfg.run.log_every and i % cfg.run.log_every == 0:
             log_line(cfg, seed_log_line(epoch, i, len(y), len(shard), steps, loss.item()))
         if i == 0:
