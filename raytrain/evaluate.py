@@ -37,8 +37,8 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
                             f"({first[1].strip() if len(first) > 1 else first[0]})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    loss, correct, n = evaluate(model, data.to(device), Augment(*data.normalization(normalize), device),
-                                None, Worker(0, 0, 1, device))
+    aug = Augment(*data.normalization(normalize), device)
+    loss, correct, n = evaluate(model, data.to(device), aug, None, Worker(0, 0, 1, device))
     return {"test_loss": loss / n, "test_acc": correct / n, "test_count": int(n)}
 
 

@@ -17,8 +17,6 @@ from torch import nn
 
 from raytrain.errors import ConfigError
 
-CUSTOM = ("seed-cnn", "lenet", "small-cnn", "resnet18")
-
 
 class SeedCNN(nn.Module):
     """The seed DDP script's ``Net``, layer for layer: conv 3->32 3x3 pad 1, ReLU, max-pool 2;
@@ -92,6 +90,9 @@ class SmallCNN(nn.Module):
         return self.head(torch.amax(x, dim=(2, 3)))
 
 
+CUSTOM = {"seed-cnn": SeedCNN, "lenet": LeNet, "small-cnn": SmallCNN}  # raytrain's own models
+
+
 def apply_stem(model: nn.Module, stem: str, image_size: int) -> None:
     """ResNet family: ``cifar`` = conv1 at stride 1 and no max-pool, so small images keep
     their resolution (conv1 keeps its 7x7 shape: the weights stay torchvision's, key for key);
@@ -114,8 +115,7 @@ def torchvision_names() -> tuple[str, ...]:
 
 def check_model_name(name: str) -> None:
     if name not in CUSTOM and name not in torchvision_names():
-        shown = ", ".join(CUSTOM + tuple(n for n in torchvision_names()
-                                         if n.startswith("res") and n not in CUSTOM))
+        shown = ", ".join([*CUSTOM, *(n for n in torchvision_names() if n.startswith("res"))])
         raise ConfigError("model", name, f"one of {shown}, ... (any torchvision "
                           "classification model; see torchvision.models.list_models())")
 
@@ -124,12 +124,8 @@ def build_model(name: str, num_classes: int, pretrained: str | None = None,
                 stem: str = "auto", image_size: int = 32) -> nn.Module:
     """A fresh model for ``num_classes``; with ``pretrained``, its weights minus the head."""
     check_model_name(name)
-    if name == "small-cnn":
-        model = SmallCNN(num_classes)
-    elif name == "seed-cnn":
-        model = SeedCNN(num_classes)
-    elif name == "lenet":
-        model = LeNet(num_classes)
+    if name in CUSTOM:
+        model = CUSTOM[name](num_classes)
     else:
         import torchvision
 
