@@ -48,12 +48,12 @@ def shrink(data: bytes, short_side: int | None, quality: int = 90) -> bytes:
 class PackFn:
     """Ray Data task: listing rows -> (image bytes, label, path relative to SRC)."""
 
-    def __init__(self, src: str, root: str, short_side: int | None):
-        self.src, self.root, self.short_side = src, root.rstrip("/") + "/", short_side
+    def __init__(self, fs, root: str, short_side: int | None):
+        self.fs, self.root, self.short_side = fs, root.rstrip("/") + "/", short_side
 
     def __call__(self, batch: dict) -> dict:
         paths = list(batch["path"])
-        datas = streaming._read_bytes(self.src, paths)
+        datas = streaming._read_bytes(self.fs, paths)
         out = []
         for p, d in zip(paths, datas):
             try:
@@ -66,14 +66,14 @@ class PackFn:
                 "path": np.array(rel, dtype=object)}
 
 
-def rows_per_shard(table, src: str, shard_mb: float, short_side: int | None) -> int:
+def rows_per_shard(table, fs, shard_mb: float, short_side: int | None) -> int:
     """Rows per file for ~shard_mb MB: mean listed size, or a resized sample's mean size."""
     sizes = np.asarray(table.column("size"))
     mean = float(sizes.mean()) if len(sizes) else 1.0
     if short_side and len(sizes):
         idx = np.linspace(0, len(sizes) - 1, min(16, len(sizes))).astype(int)
         paths = [table.column("path")[int(i)].as_py() for i in idx]
-        sample = [shrink(d, short_side) for d in streaming._read_bytes(src, paths)]
+        sample = [shrink(d, short_side) for d in streaming._read_bytes(fs, paths)]
         mean = float(np.mean([len(s) for s in sample]))
     return max(1, int(shard_mb * 2**20 / max(mean, 1.0)))
 
@@ -84,7 +84,7 @@ def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 25
     import ray.data
 
     listing = streaming.list_image_folder(src)
-    _, src_root = streaming.resolve_fs(src)
+    src_fs, src_root = streaming.resolve_fs(src)
     out_fs, out_root = streaming.resolve_fs(out)
     out_fs.create_dir(out_root, recursive=True)
     for split, table in listing.tables.items():
@@ -92,9 +92,9 @@ def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 25
         ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
         if split == "train":
             ds = ds.random_shuffle(seed=seed)
-        ds = ds.map_batches(PackFn(src, src_root, short_side), batch_size=32,
+        ds = ds.map_batches(PackFn(src_fs, src_root, short_side), batch_size=32,
                             batch_format="numpy")
-        per_file = rows_per_shard(table, src, shard_mb, short_side)
+        per_file = rows_per_shard(table, src_fs, shard_mb, short_side)
         ds.write_parquet(f"{out_root}/{split}", filesystem=out_fs,
                          min_rows_per_file=per_file, max_rows_per_file=per_file)
     with out_fs.open_output_stream(f"{out_root}/classes.json") as f:

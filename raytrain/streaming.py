@@ -101,14 +101,6 @@ def resolve_fs(data_dir: str):
     return pafs.LocalFileSystem(), os.path.abspath(data_dir)
 
 
-_FS_CACHE: dict[str, Any] = {}
-
-
-def _fs_for(data_dir: str):
-    """Per-process cache: tasks re-create the filesystem from the URI once per worker process."""
-    if data_dir not in _FS_CACHE:
-        _FS_CACHE[data_dir] = resolve_fs(data_dir)[0]
-    return _FS_CACHE[data_dir]
 
 
 def _subdirs(fs, path: str) -> list[str]:
@@ -325,6 +317,8 @@ def to_rgb(im):
 
 def decode_crop(data: bytes, size: int, train: bool, rng, draft: bool = True) -> np.ndarray:
     """Encoded image -> uint8 [size, size, 3] RGB crop (PIL; draft mode for JPEG)."""
+    from PIL import Image
+
     im = open_image(data)
     full_w, full_h = im.size
     left, top, w, h = crop_box(full_w, full_h, size, train, rng)
@@ -339,14 +333,15 @@ def decode_crop(data: bytes, size: int, train: bool, rng, draft: bool = True) ->
     return np.asarray(out, dtype=np.uint8)
 
 
-def _read_bytes(data_dir: str, paths) -> list[bytes]:
-    fs = _fs_for(data_dir)
+def _read_bytes(fs, paths) -> list[bytes]:
+    """Whole files through a pyarrow filesystem; threads for object stores (latency-bound)."""
+    import pyarrow.fs as pafs
 
     def one(p):
         with fs.open_input_stream(p) as f:
             return f.read()
 
-    if data_dir and "://" in data_dir and len(paths) > 1:  # object stores: hide latency
+    if not isinstance(fs, pafs.LocalFileSystem) and len(paths) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(8) as pool:
@@ -372,16 +367,18 @@ class DecodeFn:
     ``bytes_only``: fetch the encoded bytes and pass them on (decoded on the worker).
     """
 
-    def __init__(self, data_dir: str, size: int, train: bool, seed: int,
+    def __init__(self, fs, size: int, train: bool, seed: int,
                  bytes_only: bool = False, draft: bool = True):
-        self.data_dir, self.size, self.train, self.seed = data_dir, size, train, seed
+        # The driver's filesystem object travels pickled: it keeps the endpoint and region the
+        # driver resolved (pyarrow's S3FileSystem pickles its options), so tasks need no env.
+        self.fs, self.size, self.train, self.seed = fs, size, train, seed
         self.bytes_only, self.draft = bytes_only, draft
 
     def __call__(self, batch: dict) -> dict:
         if "image" in batch:
             datas = _image_bytes(batch["image"])
         else:
-            datas = _read_bytes(self.data_dir, list(batch["path"]))
+            datas = _read_bytes(self.fs, list(batch["path"]))
         n = len(datas)
         labels = np.asarray(batch["label"], dtype=np.int64)
         keys = np.array([_key_of(batch, i, datas[i]) for i in range(n)], dtype=np.int64)
@@ -420,7 +417,6 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
     the row order written by ``raytrain.pack`` (a global shuffle of encoded bytes would move the
     whole dataset through the object store every epoch). ``val`` keeps its order.
     """
-    import pyarrow as pa
     import ray.data
     from ray.data import RandomSeedConfig
 
@@ -429,6 +425,7 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
     if image_size < 8:
         raise ConfigError("image_size", image_size, "an integer >= 8")
     per_epoch = RandomSeedConfig(seed=seed, reseed_after_execution=True)
+    fs = resolve_fs(data_dir)[0]
     out = {}
     if dataset == "imagefolder":
         listing = list_image_folder(data_dir)
@@ -443,7 +440,6 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
         from ray.data import FileShuffleConfig
 
         class_names, files, counts = list_parquet(data_dir)
-        fs, _ = resolve_fs(data_dir)
         for split, paths in files.items():
             shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) \
                 if split == "train" else None
@@ -451,9 +447,8 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
                                                columns=_parquet_columns(fs, paths[0]))
     for split in list(out):
         train = split == "train" and augment
-        fn = DecodeFn(data_dir, image_size, train, seed, bytes_only=decode_on_worker)
+        fn = DecodeFn(fs, image_size, train, seed, bytes_only=decode_on_worker)
         out[split] = out[split].map_batches(fn, batch_size=decode_batch, batch_format="numpy")
-    del pa
     return out, class_names, counts
 
 
