@@ -1,0 +1,166 @@
+"""Input pipeline throughput (input only, no model): torchvision ImageFolder + DataLoader vs
+raytrain's Ray Data streaming path (decode in Ray Data tasks) vs worker-side batched
+``torchvision.io.decode_jpeg``, on one generated folder of photo-like JPEGs.
+
+    python benchmarks/ingest.py --quick                     # smoke: 96 images, crop 32
+    python benchmarks/ingest.py --images 1500 --sizes 64,224
+
+Rates are images/s over the last epoch (the first includes start-up); "first batch" is the
+time from building the pipeline (listing included, Ray start-up excluded) to the first batch.
+The single-core row is PIL decode + RandomResizedCrop in this process: the per-core limit.
+Ray runs with ``num_cpus=2`` (this machine's cores); the Ray Data decode tasks use both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from raytrain import streaming  # noqa: E402
+
+
+def generate(root: str, n: int, seed: int = 0) -> None:
+    """Photo-like JPEGs ~300-500 x 260-440 px (gradients + noise + ellipses, ~75 KB each, like
+    ImageNet's files) in 10 classes; 90% train/, 10% val/ (from the ingest notes' generator)."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        c = i % 10
+        w, h = int(rng.integers(300, 500)), int(rng.integers(260, 440))
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = np.stack([(xx * (c + 1) / w * 255) % 256, (yy * 3 / h * 255) % 256,
+                         (xx + yy) / (w + h) * 255], -1)
+        img = (base + rng.normal(0, 25, base.shape)).clip(0, 255).astype(np.uint8)
+        im = Image.fromarray(img)
+        d = ImageDraw.Draw(im)
+        for _ in range(5):
+            x0, y0 = int(rng.integers(0, w - 50)), int(rng.integers(0, h - 50))
+            d.ellipse([x0, y0, x0 + int(rng.integers(20, 120)), y0 + int(rng.integers(20, 120))],
+                      fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        split = "val" if i % 10 == 9 and i // 10 % 10 == 0 else "train"
+        folder = os.path.join(root, split, f"class{c}")
+        os.makedirs(folder, exist_ok=True)
+        im.save(os.path.join(folder, f"{i:05d}.jpg"), quality=90)
+    for c in range(10):  # every class in val
+        os.makedirs(os.path.join(root, "val", f"class{c}"), exist_ok=True)
+        src = os.path.join(root, "train", f"class{c}")
+        if not os.listdir(os.path.join(root, "val", f"class{c}")):
+            f = sorted(os.listdir(src))[0]
+            os.rename(os.path.join(src, f), os.path.join(root, "val", f"class{c}", f))
+
+
+def single_core(files: list[str], size: int, draft: bool) -> float:
+    rng = np.random.default_rng(0)
+    datas = [open(f, "rb").read() for f in files]
+    t = time.perf_counter()
+    for d in datas:
+        streaming.decode_crop(d, size, True, rng, draft=draft)
+    return len(datas) / (time.perf_counter() - t)
+
+
+def dataloader(root: str, size: int, workers: int, batch: int, epochs: int):
+    import torch
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+    from torchvision.datasets import ImageFolder
+
+    tf = T.Compose([T.RandomResizedCrop(size), T.PILToTensor()])
+    t0 = time.perf_counter()
+    ds = ImageFolder(os.path.join(root, "train"), transform=tf)
+    dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers,
+                    persistent_workers=True, drop_last=True)
+    first, rate = None, 0.0
+    for _ in range(epochs):
+        t, n = time.perf_counter(), 0
+        for x, _ in dl:
+            first = first or time.perf_counter() - t0
+            n += len(x)
+        rate = n / (time.perf_counter() - t)
+    del dl
+    torch.set_num_threads(torch.get_num_threads())
+    return rate, first
+
+
+def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool):
+    t0 = time.perf_counter()
+    datasets, _, _ = streaming.build_datasets("imagefolder", root, size, seed=0,
+                                              decode_on_worker=on_worker)
+    it = datasets["train"].iterator()
+    spec = {"size": size, "train": True, "seed": 0} if on_worker else None
+    first, rate = None, 0.0
+    for _ in range(epochs):
+        t, n = time.perf_counter(), 0
+        for x, _ in streaming.iter_batches(it, batch, "cpu", train=True, decode=spec):
+            first = first or time.perf_counter() - t0
+            n += len(x)
+        rate = n / (time.perf_counter() - t)
+    return rate, first
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="96 images, crop 32, 1 epoch each")
+    p.add_argument("--images", type=int, default=1500)
+    p.add_argument("--sizes", default="64,224")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--data", default=None, help="reuse/generate the folder here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.images, a.sizes, a.epochs, a.batch = 96, "32", 1, 16
+    sizes = [int(s) for s in a.sizes.split(",")]
+    root = a.data or tempfile.mkdtemp(prefix="raytrain-ingest-")
+    if not os.path.isdir(os.path.join(root, "train")):
+        t = time.perf_counter()
+        generate(root, a.images)
+        print(f"generated {a.images} JPEGs in {root} ({time.perf_counter() - t:.0f} s)")
+    listing = streaming.list_image_folder(root)
+    n_train = listing.counts["train"]
+    mb = sum(np.asarray(listing.tables["train"].column("size"))) / 2**20
+    files = listing.tables["train"].column("path").to_pylist()[:min(200, n_train)]
+    results: dict[str, dict[int, str]] = {}
+
+    def put(name, size, rate, first=None):
+        results.setdefault(name, {})[size] = f"{rate:7.0f}" + (f" / {first:5.1f}s" if first
+                                                              else " /    - ")
+
+    for s in sizes:
+        put("single core PIL decode+RRC", s, single_core(files, s, draft=False))
+        put("single core PIL + draft()", s, single_core(files, s, draft=True))
+        for w in (1, 2):
+            put(f"ImageFolder+DataLoader, {w} worker(s)", s, *dataloader(root, s, w, a.batch,
+                                                                          a.epochs))
+    import ray
+    from ray.data import DataContext
+
+    ray.init(address="local", num_cpus=2, logging_level="ERROR", include_dashboard=False)
+    DataContext.get_current().enable_progress_bars = False
+    try:
+        for s in sizes:
+            put("raytrain Ray Data (decode in tasks)", s, *raydata(root, s, a.batch, a.epochs,
+                                                                   False))
+            put("raytrain bytes -> worker decode_jpeg", s, *raydata(root, s, a.batch, a.epochs,
+                                                                    True))
+    finally:
+        ray.shutdown()
+    load = os.getloadavg()[0]
+    print(f"\n{n_train} train JPEGs ({mb:.0f} MB), batch {a.batch}, {a.epochs} epoch(s), "
+          f"{os.cpu_count()} cores, load avg {load:.1f} at the end; images/s (last epoch) / "
+          f"time to first batch")
+    head = f"{'pipeline':40s}" + "".join(f" | crop {s:<18d}" for s in sizes)
+    print(head + "\n" + "-" * len(head))
+    for name, row in results.items():
+        print(f"{name:40s}" + "".join(f" | {row.get(s, ''):23s}" for s in sizes))
+
+
+if __name__ == "__main__":
+    main()
