@@ -399,3 +399,46 @@ def test_s3_listing_and_reading(ray_local, folder, s3_server):
     assert len(got) == counts["val"] == 7 and got[0]["image"].shape == (3, SIZE, SIZE)
     with pytest.raises(ConfigError, match="--data-dir"):
         streaming.list_image_folder("s3://images/nothing-here")
+
+
+# ---------------------------------------------------------------------------- real Train run
+
+
+def _probe_loop(config):
+    """Per-worker loop: two training epochs of batches, then one evaluation pass."""
+    import ray.train
+    import torch.distributed as dist
+
+    rank = ray.train.get_context().get_world_rank()
+    train_it = ray.train.get_dataset_shard("train")
+    val_it = ray.train.get_dataset_shard("val")
+    steps = [sum(1 for _ in streaming.iter_batches(train_it, 4, "cpu", train=True))
+             for _ in range(2)]
+    seen = torch.tensor([sum(len(y) for _, y in
+                             streaming.iter_batches(val_it, 4, "cpu", train=False))])
+    dist.all_reduce(seen)  # once, after the pass: ranks' val counts differ
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+        json.dump({"steps": steps, "val_seen": int(seen)}, f)
+
+
+def test_torchtrainer_two_workers_equal_steps_exact_eval(ray_local, folder, tmp_path):
+    """A real TorchTrainer (Train V2): 2 workers x 0.5 CPU leave 1 CPU for Ray Data."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    datasets, _, counts = streaming.build_datasets("imagefolder", folder, SIZE, seed=0)
+    assert streaming.check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
+    streaming.reserve_data_cpus(1)  # before the trainer copies the DataContext
+    try:
+        trainer = TorchTrainer(
+            _probe_loop, train_loop_config={"out": str(tmp_path)},
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+            datasets=datasets, dataset_config=streaming.data_config(),
+            run_config=RunConfig(name="probe", storage_path=str(tmp_path / "runs")))
+        run_with_timeout(trainer.fit, timeout=240)
+    finally:
+        streaming.reserve_data_cpus(None)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    expected = streaming.steps_per_epoch(counts["train"], 2, 4)
+    assert [r["steps"] for r in ranks] == [[expected] * 2] * 2
+    assert [r["val_seen"] for r in ranks] == [counts["val"]] * 2
