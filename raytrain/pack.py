@@ -79,11 +79,11 @@ def rows_per_shard(table, fs, shard_mb: float, short_side: int | None) -> int:
 
 
 def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 256,
-         seed: int = 0) -> dict[str, int]:
+         seed: int = 0, listing: streaming.Listing | None = None) -> dict[str, int]:
     """Write OUT/{train,val}/*.parquet and OUT/classes.json; returns rows per split."""
     import ray.data
 
-    listing = streaming.list_image_folder(src)
+    listing = listing or streaming.list_image_folder(src)
     src_fs, src_root = streaming.resolve_fs(src)
     out_fs, out_root = streaming.resolve_fs(out)
     out_fs.create_dir(out_root, recursive=True)
@@ -115,8 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     try:
+        listing = streaming.list_image_folder(args.src)  # bad layouts fail before Ray starts
+    except RaytrainError as err:
+        print(f"error: {str(err).replace('--data-dir', 'SRC', 1)}", file=sys.stderr)
+        return 2
+    try:
         ray.init(address=args.address or "local", logging_level="ERROR")
-        counts = pack(args.src, args.out, args.short_side, args.shard_mb)
+        counts = pack(args.src, args.out, args.short_side, args.shard_mb, listing=listing)
     except RaytrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
