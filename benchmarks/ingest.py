@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raytrain import streaming  # noqa: E402
+from raytrain.data import streaming  # noqa: E402
 
 
 def generate(root: str, n: int, seed: int = 0) -> None:
@@ -101,7 +101,7 @@ def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool):
     first, rate = None, 0.0
     for _ in range(epochs):
         t, n = time.perf_counter(), 0
-        for x, _ in streaming.iter_batches(it, batch, "cpu", train=True, decode=spec):
+        for x, _, _ in streaming.iter_batches(it, batch, "cpu", train=True, decode=spec):
             first = first or time.perf_counter() - t0
             n += len(x)
         rate = n / (time.perf_counter() - t)

@@ -16,8 +16,11 @@ from typing import Any
 
 from raytrain.errors import ConfigError, RaytrainError  # noqa: F401 - re-exported
 
-DATASETS = ("cifar10", "cifar100", "digits", "synthetic")
-NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "digits": 10, "synthetic": 10}
+BUILTIN = ("cifar10", "cifar100", "digits", "synthetic")
+STREAMING = ("imagefolder", "parquet")  # your own images, streamed by Ray Data
+DATASETS = BUILTIN + STREAMING
+NUM_CLASSES = {"cifar10": 10, "cifar100": 100, "digits": 10, "synthetic": 10}  # built-ins
+DECODERS = ("tasks", "worker")
 OPTIMIZERS = ("sgd", "adamw")
 LR_SCHEDULES = ("constant", "cosine", "onecycle")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -56,7 +59,9 @@ class ClusterConfig:
     use_gpu: bool | None = _opt(None, "one GPU per worker (default: if the cluster has GPUs; "
                                 "--use-gpu on a cluster without GPUs fails at once)",
                                 flags=("--use-gpu", "--no-gpu"))
-    cpus_per_worker: float = _opt(1.0, "logical CPUs reserved per worker")
+    cpus_per_worker: float | None = _opt(None, "logical CPUs reserved per worker (default 1; "
+                                         "with imagefolder/parquet less where 1 would leave "
+                                         "Ray Data no CPU, see --data-cpus)")
     address: str | None = _opt(None, "existing Ray cluster (auto or HOST:PORT); default "
                                "$RAY_ADDRESS, else a new local cluster")
     max_failures: int = _opt(3, "worker-group restarts from the latest checkpoint before failing")
@@ -69,9 +74,16 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         self.num_workers = parse_num_workers(self.num_workers)
-        _check(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "a number > 0")
+        _check(self.cpus_per_worker is None or self.cpus_per_worker > 0, "cpus_per_worker",
+               self.cpus_per_worker, "a number > 0")
         _check(self.max_failures >= 0, "max_failures", self.max_failures, "a whole number >= 0")
         _check(self.wait_timeout > 0, "wait_timeout", self.wait_timeout, "seconds > 0")
+
+    @property
+    def worker_cpus(self) -> float:
+        """CPUs each worker reserves: --cpus-per-worker, else 1 (preflight may set less for
+        streamed data, see driver/preflight.size_data_cpus)."""
+        return 1.0 if self.cpus_per_worker is None else self.cpus_per_worker
 
     @property
     def max_workers(self) -> int:
@@ -113,23 +125,66 @@ class ModelConfig:
 class DataConfig:
     """What data is trained on."""
 
-    dataset: str = _opt("cifar10", "dataset", choices=DATASETS)
+    dataset: str = _opt("cifar10", "dataset: a built-in one (loaded whole into every worker), "
+                        "or your own images streamed by Ray Data: imagefolder (DIR/train/"
+                        "<class>/*, DIR/val/<class>/*) or parquet (DIR/train/*.parquet, "
+                        "DIR/val/*.parquet, DIR/classes.json; python -m raytrain.pack)",
+                        choices=DATASETS)
     data_dir: str | None = _opt(None, "directory holding (or receiving) the dataset files; "
-                                "default ~/.cache/raytrain/data")
-    augment: bool | None = _opt(None, "random crop (pad 4) + horizontal flip where labels allow "
-                                "it (default: on for cifar, crop only for digits, off for synthetic)")
+                                "default ~/.cache/raytrain/data. imagefolder/parquet: required, "
+                                "a path every node sees or an s3:// / gs:// URI")
+    augment: bool | None = _opt(None, "random crop + horizontal flip where labels allow it "
+                                "(default: on for cifar and your own images (random-resized "
+                                "crop), crop only for digits, off for synthetic)")
     synthetic_size: int = _opt(6400, "training images in --dataset synthetic")
     normalize: str = _opt("dataset", "input scaling: dataset = subtract the dataset's mean, "
-                          "divide by its std; none = ToTensor()'s [0, 1]; half = "
-                          "Normalize(0.5, 0.5)'s [-1, 1]", choices=NORMALIZATIONS)
+                          "divide by its std (ImageNet's for imagefolder/parquet); none = "
+                          "ToTensor()'s [0, 1]; half = Normalize(0.5, 0.5)'s [-1, 1]",
+                          choices=NORMALIZATIONS)
+    image_size: int | None = _opt(None, "side of the square training/eval crops in pixels "
+                                  "(default 224 for imagefolder/parquet; the built-ins are 32)")
+    data_cpus: float | None = _opt(None, "imagefolder/parquet: CPUs kept free of workers for Ray "
+                                   "Data's read/decode tasks (default: all the workers leave, at "
+                                   "least 1; workers get less than --cpus-per-worker's default 1 "
+                                   "where that is needed)")
+    decode: str = _opt("tasks", "imagefolder/parquet: where images are decoded and cropped: tasks "
+                       "= Ray Data tasks on the cluster's CPUs; worker = batched torchvision "
+                       "decode_jpeg on each worker's device (nvjpeg on a GPU: for nodes with few "
+                       "CPUs per GPU)", choices=DECODERS)
+    skip_bad_images: bool = _opt(False, "imagefolder/parquet: skip images that cannot be "
+                                 "decoded (counted per epoch, listed in events.jsonl) instead "
+                                 "of stopping the run")
+    progress_every: float = _opt(30.0, "imagefolder/parquet: seconds between in-epoch progress "
+                                 "lines (images/s, ETA, data wait); 0 = off")
 
     def __post_init__(self) -> None:
         _check(self.dataset in DATASETS, "dataset", self.dataset, "one of " + ", ".join(DATASETS))
         _check(self.normalize in NORMALIZATIONS, "normalize", self.normalize,
                "one of " + ", ".join(NORMALIZATIONS))
+        _check(self.decode in DECODERS, "decode", self.decode, "one of " + ", ".join(DECODERS))
         _check(self.synthetic_size >= 1, "synthetic_size", self.synthetic_size, "a number >= 1")
-        if self.data_dir is not None:
+        _check(self.progress_every >= 0, "progress_every", self.progress_every, "seconds >= 0")
+        _check(self.data_cpus is None or (math.isfinite(self.data_cpus) and self.data_cpus > 0),
+               "data_cpus", self.data_cpus, "a number of CPUs > 0")
+        if self.streaming:
+            _check(self.data_dir is not None, "data_dir", self.data_dir,
+                   f"a directory or s3:// / gs:// URI for --dataset {self.dataset}")
+            if self.image_size is None:
+                self.image_size = 224
+            _check(8 <= self.image_size <= 1024, "image_size", self.image_size,
+                   "a whole number of pixels in [8, 1024]")
+        else:
+            _check(self.image_size in (None, 32), "image_size", self.image_size,
+                   f"32 for --dataset {self.dataset} (the built-ins are 32x32; other sizes "
+                   "with --dataset imagefolder or parquet)")
+            self.image_size = 32
+        if self.data_dir is not None and "://" not in self.data_dir:
             _check(os.path.isdir(self.data_dir), "data_dir", self.data_dir, "an existing directory")
+
+    @property
+    def streaming(self) -> bool:
+        """Your own images, streamed by Ray Data (not loaded whole into every worker)."""
+        return self.dataset in STREAMING
 
 
 @dataclass

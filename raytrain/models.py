@@ -136,6 +136,23 @@ def build_model(name: str, num_classes: int, pretrained: str | None = None,
     return model
 
 
+def check_input_size(name: str, num_classes: int, stem: str, image_size: int) -> None:
+    """A one-line ConfigError when ``name`` cannot take ``image_size`` images (e.g. seed-cnn's
+    fc1 is sized for 32x32). A forward on the meta device: shapes only, no memory, no time."""
+    with torch.device("meta"):
+        model = build_model(name, num_classes, None, stem, image_size)
+        try:
+            model.eval()(torch.zeros(2, 3, image_size, image_size))
+        except (RuntimeError, ValueError) as err:
+            raise ConfigError("image_size", image_size, f"a size --model {name} takes "
+                              f"({short_error(err)}); seed-cnn and lenet take 32 only, "
+                              "torchvision models any size from about 32") from None
+
+
+def short_error(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+
+
 def head_keys(model: nn.Module) -> set[str]:
     """State-dict keys of the classifier head: the last Linear layer."""
     last = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)][-1]

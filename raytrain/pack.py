@@ -1,10 +1,11 @@
 """Pack an image folder into Parquet shards with Ray Data: ``python -m raytrain.pack SRC OUT``.
 
     python -m raytrain.pack /mnt/data/imagenet /mnt/data/imagenet-parquet --short-side 256
+    python -m raytrain.pack --from digits ./digits-folder    # the bundled digits as PNG files
 
 SRC is an image folder (``SRC/train/<class>/*``, ``SRC/val|test/<class>/*``, local or s3://,
 gs://); OUT gets ``train/*.parquet``, ``val/*.parquet`` and ``classes.json`` in the layout
-``raytrain.streaming`` documents (columns ``image`` binary, ``label`` int64, ``path`` string).
+``raytrain.data.streaming`` documents (columns ``image`` binary, ``label`` int64, ``path`` string).
 Reading and re-encoding run as Ray Data tasks on every CPU of the cluster. Train rows are written
 in a shuffled order (seed 0) so that file-level shuffling while training mixes classes.
 ``--short-side N`` shrinks images whose short side is above N (never enlarges) and re-encodes
@@ -21,8 +22,8 @@ import sys
 
 import numpy as np
 
-from raytrain import streaming
-from raytrain.config import RaytrainError
+from raytrain.data import streaming
+from raytrain.errors import RaytrainError
 
 
 def shrink(data: bytes, short_side: int | None, quality: int = 90) -> bytes:
@@ -102,16 +103,50 @@ def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 25
     return listing.counts
 
 
+def export_digits(out: str) -> dict[str, int]:
+    """The bundled digits as an image folder: OUT/{train,val}/<digit>/<n>.png, 32x32 RGB, the
+    same images and 80/20 split as ``--dataset digits`` (a real dataset, no download)."""
+    import os
+
+    from PIL import Image
+
+    from raytrain.data import load_dataset
+
+    data = load_dataset("digits")
+    counts = {}
+    for split, xs, ys in (("train", data.train_x, data.train_y), ("val", data.test_x,
+                                                                   data.test_y)):
+        for i, (x, y) in enumerate(zip(xs.permute(0, 2, 3, 1).numpy(), ys.tolist())):
+            folder = os.path.join(out, split, str(y))
+            os.makedirs(folder, exist_ok=True)
+            Image.fromarray(x).save(os.path.join(folder, f"{i:04d}.png"))
+        counts[split] = len(ys)
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m raytrain.pack", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src", help="image folder: SRC/train/<class>/*, SRC/val/<class>/*")
+    parser.add_argument("src", nargs="?", help="image folder: SRC/train/<class>/*, "
+                        "SRC/val/<class>/*")
     parser.add_argument("out", help="output directory (local, s3:// or gs://)")
+    parser.add_argument("--from", dest="bundled", choices=("digits",), default=None,
+                        help="write a bundled dataset as an image folder into OUT instead "
+                        "(no SRC): digits = scikit-learn's 1,797 digits as 32x32 PNGs")
     parser.add_argument("--short-side", type=int, default=None,
                         help="shrink images whose short side is larger (JPEG q90)")
     parser.add_argument("--shard-mb", type=float, default=256, help="target MB per shard")
     parser.add_argument("--address", default=None, help="Ray cluster (default: a new local one)")
     args = parser.parse_args(argv)
+    if args.bundled:
+        if args.src is not None:
+            parser.error("--from digits takes OUT only (no SRC)")
+        counts = export_digits(args.out)
+        print(f"wrote {counts['train']} train and {counts['val']} val images of {args.bundled} "
+              f"into {args.out}")
+        return 0
+    if args.src is None:
+        parser.error("SRC and OUT are required (or --from digits OUT)")
     import ray
 
     try:

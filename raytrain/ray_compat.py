@@ -383,6 +383,46 @@ def result_grid_trials(grid) -> list:
     return list(analysis.trials)
 
 
+# ---------------------------------------------------------------------------- Ray Data side
+
+
+# FALLBACK. The epoch of a streamed dataset (data/streaming.py). Ray Data counts the executions
+# of a dataset in its DataContext's private ``_execution_idx`` (data/context.py, advanced by
+# execution_idx_update_callback.py after each one); RandomSeedConfig(reseed_after_execution=
+# True) reseeds shuffles from the same counter. Under Train each epoch's pass over a shard is
+# one execution, so it is the epoch (from 0): the decode tasks seed their random crops with it,
+# and a worker group started from an epoch-N checkpoint sets it to N so that epoch N+1 is
+# shuffled and cropped as in an uninterrupted run. Missing: crops are seeded by (seed, image)
+# alone (each image gets the same random crop every epoch) and a resumed run's shuffles restart
+# from epoch 1's; every epoch still sees every image at most once.
+DATA_EXECUTION_INDEX = "DataContext._execution_idx"
+
+
+def data_execution_index() -> int:
+    """The running Ray Data execution's index (0 when this Ray does not keep one)."""
+    from ray.data import DataContext
+
+    idx = getattr(DataContext.get_current(), "_execution_idx", None)
+    if idx is None:
+        warn_once(DATA_EXECUTION_INDEX, FALLBACKS[DATA_EXECUTION_INDEX][1])
+        return 0
+    return int(idx)
+
+
+def set_data_execution_index(context, index: int) -> None:
+    """Start ``context``'s execution count at ``index`` (a resumed run's next epoch - 1)."""
+    if hasattr(context, "_execution_idx"):
+        context._execution_idx = int(index)
+    else:
+        warn_once(DATA_EXECUTION_INDEX, FALLBACKS[DATA_EXECUTION_INDEX][1])
+
+
+def _has_data_execution_index() -> bool:
+    from ray.data import DataContext
+
+    return hasattr(DataContext.get_current(), "_execution_idx")
+
+
 REQUIRED: dict[str, Callable[[], bool]] = {STORAGE_CONTEXT: _has_storage_context}
 FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     TRAIN_CONTEXT_LOGGER: (lambda: _internal(TRAIN_CONTEXT_LOGGER) is not None,
@@ -398,6 +438,9 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
                         "placement-group cleaner and autoscaling requests"),
     PLACEMENT_GROUPS: (has_placement_group_table, _LOST_REAPER),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
+    DATA_EXECUTION_INDEX: (_has_data_execution_index,
+                           "streamed crops are seeded by (seed, image) alone and a resumed run "
+                           "reshuffles from epoch 1's order"),
     RESULT_GRID_TRIALS: (lambda: "_experiment_analysis" in getattr(
         _internal("ray.tune", "ResultGrid"), "__init__", lambda: None).__code__.co_names,
         "trial statuses are read back from the saved state"),

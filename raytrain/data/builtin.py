@@ -170,6 +170,42 @@ def batches(indices: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
     return torch.tensor_split(indices, steps)
 
 
+class InMemory:
+    """A built-in dataset as the worker loop's source of batches (``worker/loop.py``): whole on
+    this worker's device, a per-epoch permutation dealt out by rank (``epoch_shard``)."""
+
+    crop_pad = 4  # CIFAR's pad-4 random crop, taken on the device by Augment
+
+    def __init__(self, data: Dataset):
+        self.data = data
+        self.num_classes, self.flip_ok = data.num_classes, data.flip_ok
+        self.n_train, self.n_val = len(data.train_y), len(data.test_y)
+
+    def normalization(self, how: str = "dataset"):
+        return self.data.normalization(how)
+
+    def steps(self, world: int, per_worker_batch: int) -> int:
+        return steps_per_epoch(self.n_train, world, per_worker_batch)
+
+    def shard_size(self, rank: int, world: int) -> int:
+        return len(range(rank, self.n_train, world))
+
+    def train_batches(self, epoch: int, rank: int, world: int, seed: int, steps: int,
+                      per_worker_batch: int):
+        d = self.data
+        shard = epoch_shard(self.n_train, rank, world, seed, epoch).to(d.train_y.device)
+        for idx in batches(shard, steps):
+            yield d.train_x[idx], d.train_y[idx], []
+
+    def test_batches(self, rank: int, world: int, per_worker_batch: int):
+        d = self.data
+        for idx in eval_shard(self.n_val, rank, world).to(d.test_y.device).split(EVAL_BATCH):
+            yield d.test_x[idx], d.test_y[idx], []
+
+
+EVAL_BATCH = 1024
+
+
 # ---------------------------------------------------------------------------- augmentation
 
 

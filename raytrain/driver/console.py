@@ -38,7 +38,7 @@ def print_dashboard(url: str | None, kept: bool) -> None:
 def dry_run_text(cfg: TrainConfig) -> str:
     c = cfg.cluster
     lines = ["resolved config:", yaml.safe_dump(cfg.to_flat(), sort_keys=False).rstrip(),
-             f"workers: {c.num_workers} x {c.cpus_per_worker:g} CPU"
+             f"workers: {c.num_workers} x {c.worker_cpus:g} CPU"
              + {True: " + 1 GPU", False: "", None: " (+ 1 GPU each if the cluster has GPUs)"}[
                  c.use_gpu],
              f"batch: {cfg.optim.batch_size} global = {cfg.per_worker_batch} per worker x "

@@ -8,6 +8,7 @@ and the shape of the Ray cluster a run lands on (resources, autoscaler, storage)
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -16,7 +17,7 @@ import yaml
 
 from raytrain import ray_compat
 from raytrain.config import NUM_CLASSES, TrainConfig
-from raytrain.errors import RaytrainError
+from raytrain.errors import ConfigError, RaytrainError
 
 # URI schemes that name storage every node reaches (pyarrow filesystems Ray Train writes to).
 # file:// is a local path in URI form, so it does not count.
@@ -55,13 +56,25 @@ def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
     """Every check that needs more than the config's own fields, run once on the driver before
     any Ray process starts (never in workers or Tune trials, which rebuild the config). A
     --dry-run runs them all, except loading a dataset that would be downloaded first."""
-    if cfg.model.pretrained:  # load it once here so a bad file fails before Ray starts
-        from raytrain.models import build_model
+    from raytrain.models import build_model, check_input_size
 
-        build_model(cfg.model.model, NUM_CLASSES[cfg.data.dataset], cfg.model.pretrained,
-                    cfg.model.stem)
+    d = cfg.data
+    num_classes = NUM_CLASSES.get(d.dataset)
+    if d.streaming:  # list the images now (cached for the run): a bad layout fails here
+        from raytrain.data.streaming import list_dataset
+
+        listing = list_dataset(d.dataset, d.data_dir)
+        num_classes, n_train = len(listing.class_names), listing.counts["train"]
+        if n_train // cfg.cluster.max_workers < cfg.per_worker_batch:
+            raise ConfigError("batch_size", cfg.optim.batch_size, f"at most {n_train // cfg.cluster.max_workers * cfg.cluster.max_workers} "
+                              f"(the {n_train} training images in {d.data_dir}, split over "
+                              f"{cfg.cluster.max_workers} workers, make no full batch)")
+        check_input_size(cfg.model.model, num_classes, cfg.model.stem, d.image_size)
+    if cfg.model.pretrained:  # load it once here so a bad file fails before Ray starts
+        build_model(cfg.model.model, num_classes, cfg.model.pretrained, cfg.model.stem,
+                    d.image_size)
     check_storage_writable(cfg.run.storage_path, create=False)  # created by the run
-    if not dry_run or cfg.data.data_dir is not None:
+    if not dry_run or d.data_dir is not None:
         check_data(cfg)
     ray_compat.check()
 
@@ -170,9 +183,10 @@ def preflight(cfg: TrainConfig) -> Shape:
     import ray
 
     c = cfg.cluster
+    size_data_cpus(cfg, ray.cluster_resources().get("CPU", 0.0))
     groups = autoscaling_groups()
     use_gpu = resolve_gpu(cfg, groups)
-    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
+    need = {"CPU": c.worker_cpus} | ({"GPU": 1.0} if use_gpu else {})
     can_grow = any(fits(g["resources"], need) for g in groups)
     if groups:  # nodes that join later are other hosts: a local path would be split
         check_storage_for_multinode(cfg.run.storage_path, [
@@ -202,6 +216,30 @@ def preflight(cfg: TrainConfig) -> Shape:
     _clear_request(requested)  # the workers' placement group now holds what they need
     check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
     return Shape(use_gpu=use_gpu, one_host=len(alive) == 1 and not groups, can_grow=can_grow)
+
+
+def size_data_cpus(cfg: TrainConfig, cluster_cpus: float) -> None:
+    """Streamed data: CPUs for Ray Data's read/decode tasks beside the workers', set on ``cfg``.
+
+    Ray Data schedules its tasks on CPUs the Train workers do not hold; with every CPU held the
+    pipeline never starts (a hang, not an error). Without --cpus-per-worker a worker takes 1
+    CPU, or less where that leaves Ray Data under --data-cpus (default 1): 2 workers on this
+    2-CPU machine get 0.5 each. --data-cpus then defaults to every CPU the workers leave (per
+    run: Tune trials at once each stream their own data). An explicit layout that leaves less
+    is refused here, in one line."""
+    c, d = cfg.cluster, cfg.data
+    if not d.streaming:
+        return
+    from raytrain.data.streaming import check_data_cpus
+
+    runs = cfg.tune.max_concurrent_trials or 1 if cfg.tune.tune else 1
+    want = d.data_cpus or 1.0
+    if c.cpus_per_worker is None:
+        share = (cluster_cpus / runs - want) / c.max_workers
+        c.cpus_per_worker = min(1.0, math.floor(share * 100) / 100) if share >= 0.01 else 1.0
+    left = check_data_cpus(cluster_cpus, c.max_workers, c.worker_cpus, want, runs)
+    if d.data_cpus is None:
+        d.data_cpus = math.floor(left * 100) / 100
 
 
 def _clear_request(requested: bool) -> None:

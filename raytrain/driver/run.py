@@ -7,6 +7,8 @@ result into run files, exported weights and a summary.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import time
@@ -26,7 +28,8 @@ from raytrain.errors import Interrupted, RaytrainError, TrainingError, short
 # Settings that do not change what is trained: a run may be resumed with other values.
 NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
                 "wait_timeout", "log_every", "name", "storage_path", "keep_checkpoints",
-                "use_gpu", "cpus_per_worker", "num_workers"}
+                "use_gpu", "cpus_per_worker", "num_workers", "data_cpus", "decode",
+                "skip_bad_images", "progress_every"}
 
 
 @dataclass
@@ -100,9 +103,9 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
     return ray_compat.make_trainer(
         train_loop_per_worker,
         fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
-        train_loop_config=cfg.to_flat(),
+        **streaming_inputs(cfg),
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=shape.use_gpu,
-                                     resources_per_worker={"CPU": c.cpus_per_worker}
+                                     resources_per_worker={"CPU": c.worker_cpus}
                                      | ({"GPU": 1} if shape.use_gpu else {})),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
@@ -114,6 +117,29 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                                          controller_failure_limit=3),
             callbacks=callbacks if callbacks is not None else [RunFiles(cfg.run_dir)],
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
+
+
+def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
+    """The trainer's data arguments: for streamed images Ray Datasets (listed here, decoded by
+    Ray Data tasks on --data-cpus CPUs), the split that keeps every rank's step count equal
+    and every val image counted once, and what the workers need to know of the data."""
+    flat = cfg.to_flat()
+    if not cfg.data.streaming:
+        return {"train_loop_config": flat}
+    from raytrain.data import streaming
+
+    d = cfg.data
+    datasets, names, counts = streaming.build_datasets(
+        d.dataset, d.data_dir, d.image_size, augment=d.augment is not False, seed=cfg.run.seed,
+        decode_on_worker=d.decode == "worker")
+    streaming.reserve_data_cpus(d.data_cpus)  # before the trainer copies the DataContext
+    if os.path.isdir(cfg.run_dir):  # class names in label order, beside model.pt
+        files.atomic_write(os.path.join(cfg.run_dir, "classes.json"), json.dumps(names))
+    flat["stream"] = {"num_classes": len(names), "n_train": counts["train"],
+                      "n_val": counts["val"]}
+    return {"train_loop_config": flat, "datasets": datasets,
+            "dataset_config": streaming.data_config(
+                functools.partial(latest_checkpoint_epoch, cfg.run_dir))}
 
 
 def _run_files_base():

@@ -129,9 +129,13 @@ def placeable_trials(cfg: TrainConfig, use_gpu: bool) -> int:
     import ray
 
     c = cfg.cluster
-    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if use_gpu else {})
+    need = {"CPU": c.worker_cpus} | ({"GPU": 1.0} if use_gpu else {})
     workers = sum(preflight.fits(n["Resources"], need) for n in ray.nodes() if n.get("Alive"))
-    return max(1, workers // c.max_workers)
+    trials = workers // c.max_workers
+    if cfg.data.streaming:  # each trial streams through its own pipeline: its data CPUs too
+        per_trial = c.max_workers * c.worker_cpus + (cfg.data.data_cpus or 1.0)
+        trials = min(trials, int(ray.cluster_resources().get("CPU", 0) // per_trial))
+    return max(1, trials)
 
 
 def search_space(cfg: TrainConfig) -> dict[str, Any]:

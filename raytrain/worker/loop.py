@@ -21,12 +21,11 @@ from torch import nn
 
 from raytrain import checkpoint
 from raytrain.config import TrainConfig
-from raytrain.data import Augment, Dataset, batches, epoch_shard, eval_shard, load_dataset, \
-    steps_per_epoch
+from raytrain.data import Augment, InMemory, load_dataset
 from raytrain.files import EVENTS_FILE, append_jsonl
 from raytrain.models import build_model
 
-EVAL_BATCH = 1024
+BAD_CHECK_EVERY = 20  # steps between the ranks' agreement on a bad image (one tiny all-reduce)
 
 
 @dataclass(frozen=True)
@@ -49,40 +48,48 @@ Reporter = Callable[[dict[str, Any], "dict[str, Any] | None"], None]
 
 
 def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
-               resume: dict[str, Any] | None = None) -> None:
-    """Train ``cfg`` on this worker's shards; report every epoch (all workers must call)."""
+               resume: dict[str, Any] | None = None, source=None) -> None:
+    """Train ``cfg`` on this worker's shards; report every epoch (all workers must call).
+
+    ``source``: where batches come from (``raytrain.data.streaming.Streamed`` for streamed
+    images, given by the Ray entry point); default: the built-in dataset, whole in memory."""
     device, o = worker.device, cfg.optim
     startup = {"process": process_started_at(), "loop": time.time()}  # -> time to first step
     torch.manual_seed(cfg.run.seed)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-    data = load_dataset(cfg.data.dataset, cfg.data.data_dir, cfg.data.synthetic_size).to(device)
+    if source is None:
+        source = InMemory(load_dataset(cfg.data.dataset, cfg.data.data_dir,
+                                       cfg.data.synthetic_size).to(device))
     startup["data"] = time.time()
-    model = build_model(cfg.model.model, data.num_classes, cfg.model.pretrained, cfg.model.stem)
+    model = build_model(cfg.model.model, source.num_classes, cfg.model.pretrained,
+                        cfg.model.stem, cfg.data.image_size)
     ddp = prepare_model(model, worker, compile=cfg.model.compile)
     startup["model"] = time.time()
     amp_dtype = autocast_dtype(o.precision, device)
     # The global batch is split over the workers actually running (elastic runs may have
     # fewer than --num-workers' maximum).
-    steps = steps_per_epoch(len(data.train_y), worker.world, max(1, o.batch_size // worker.world))
+    batch = max(1, o.batch_size // worker.world)
+    steps = source.steps(worker.world, batch)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg, steps * o.epochs)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     augment = cfg.data.augment if cfg.data.augment is not None else cfg.data.dataset != "synthetic"
-    aug = Augment(*data.normalization(cfg.data.normalize), device, crop_pad=4 if augment else 0,
-                  flip=augment and data.flip_ok, channels_last=True)
+    aug = Augment(*source.normalization(cfg.data.normalize), device,
+                  crop_pad=source.crop_pad if augment else 0,
+                  flip=augment and source.flip_ok, channels_last=True)
     done, step = 0, 0
     if resume is not None:
         done, step = checkpoint.restore(resume, model, optimizer, scheduler, scaler)
     for epoch in range(done + 1, o.epochs + 1):
-        train = train_epoch(ddp, data, aug, optimizer, scheduler, scaler, amp_dtype, worker,
-                            cfg, epoch, steps)
+        train = train_epoch(ddp, source, aug, optimizer, scheduler, scaler, amp_dtype, worker,
+                            cfg, epoch, steps, batch)
         step += steps
-        test = evaluate(model, data, aug, amp_dtype, worker)
-        metrics = epoch_metrics(epoch, train, test, optimizer)
+        test = evaluate(model, source, aug, amp_dtype, worker, batch)
+        metrics = epoch_metrics(epoch, train, test, optimizer, cfg.data.skip_bad_images)
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
             metrics.update(first_step_at=train["first_step_at"], resumed_from=done,
-                           startup=startup)
+                           startup=startup, first_batch_s=train["first_batch_s"])
         # Never checkpoint a diverged model: the latest checkpoint is what a rerun resumes.
         save = worker.master and "error" not in metrics and (
             epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
@@ -152,29 +159,42 @@ def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_ste
 # ---------------------------------------------------------------------------- epochs
 
 
-def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, scheduler, scaler,
-                amp_dtype, worker: Worker, cfg: TrainConfig, epoch: int, steps: int
+def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scaler,
+                amp_dtype, worker: Worker, cfg: TrainConfig, epoch: int, steps: int, batch: int
                 ) -> dict[str, Any]:
     """One pass over this worker's shard; returns globally summed loss/correct/count."""
     device = worker.device
     ddp.train()
-    shard = epoch_shard(len(data.train_y), worker.rank, worker.world, cfg.run.seed, epoch)
     gen = torch.Generator(device=device).manual_seed(
         (cfg.run.seed * 1_000_003 + epoch) * 4099 + worker.rank)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss*n, correct, n
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss*n, correct, n, wait, bad
     count = 0
     first_bad = torch.tensor(steps + 1, device=device)  # 1-based step of the first NaN loss
-    first_step_at = 0.0
+    first_step_at = first_batch_s = 0.0
     skip = cfg.optim.nan_policy == "skip"
+    bad = BadImages(cfg, worker, epoch)
+    progress = Progress(cfg, worker, epoch, steps, batch)
     _sync(device)
     # The ranks leave the last epoch's evaluation and report at different times; the first
     # gradient all-reduce would absorb the skew into this epoch's clock (up to ~10% of a
     # 0.5 s epoch here). Waiting for each other first keeps images_per_s a training figure.
     all_reduce(torch.zeros(1, device=device))
     start = time.perf_counter()
-    for i, idx in enumerate(batches(shard.to(device), steps)):
-        x, y = aug(data.train_x[idx], gen), data.train_y[idx]
-        loss, correct, finite = train_step(ddp, x, y, optimizer, scaler, amp_dtype, skip)
+    batches = iter(source.train_batches(epoch, worker.rank, worker.world, cfg.run.seed, steps,
+                                        batch))
+    wait = 0.0
+    i = 0
+    while True:
+        fetch = time.perf_counter()
+        item = next(batches, None)  # a streamed batch may not be there yet: waiting for data
+        wait += time.perf_counter() - fetch
+        if item is None:
+            break
+        x, y = bad.drop(*item)
+        if i == 0:
+            first_batch_s = time.perf_counter() - start
+        loss, correct, finite = train_step(ddp, aug(x, gen), y, optimizer, scaler, amp_dtype,
+                                           skip)
         scheduler.step()
         # Sums stay on the device (no per-step sync); the count is plain Python.
         sums[:2] += torch.stack([loss.detach().double() * len(y), correct.double()])
@@ -182,18 +202,86 @@ def train_epoch(ddp: nn.Module, data: Dataset, aug: Augment, optimizer, schedule
         if not skip:  # --nan-policy skip: train_step skipped a non-finite step; go on
             first_bad = torch.where(finite, first_bad, torch.clamp(first_bad, max=i + 1))
         if worker.master and cfg.run.log_every and i % cfg.run.log_every == 0:
-            log_line(cfg, seed_log_line(epoch, i, len(y), len(shard), steps, loss.item()))
+            log_line(cfg, seed_log_line(epoch, i, len(y), source.shard_size(worker.rank,
+                                                                            worker.world),
+                                        steps, loss.item()))
         if i == 0:
             _sync(device)
             first_step_at = time.time()
+        i += 1
+        progress.step(i, count, wait)
+        if i % BAD_CHECK_EVERY == 0 and bad.stop_now():
+            break
     _sync(device)
     seconds = time.perf_counter() - start
-    sums[2] = count
+    sums[2], sums[3], sums[4] = count, wait, len(bad.seen)
     all_reduce(sums)
     all_reduce(first_bad, op=dist.ReduceOp.MIN)
-    bad = int(first_bad.item())
-    return {"sums": sums.tolist(), "seconds": seconds, "steps": steps,
-            "first_bad_step": bad if bad <= steps else None, "first_step_at": first_step_at}
+    bad_stop = bad.stop_now()
+    first = int(first_bad.item())
+    return {"sums": sums.tolist(), "seconds": seconds, "steps": steps, "world": worker.world,
+            "first_bad_step": first if first <= steps else None, "first_step_at": first_step_at,
+            "first_batch_s": first_batch_s, "bad_image": bad_stop}
+
+
+class BadImages:
+    """Streamed images that could not be decoded: their rows are dropped from the batch (a
+    batch with nothing else keeps its zero rows), and each is an ``events.jsonl`` entry. With
+    --skip-bad-images that is all; without it the ranks agree every BAD_CHECK_EVERY steps (and
+    at the end of the epoch) whether any met one, and then all stop together - one rank
+    leaving alone would hang the others in DDP's all-reduce."""
+
+    def __init__(self, cfg: TrainConfig, worker: Worker, epoch: int):
+        self.cfg, self.worker, self.epoch = cfg, worker, epoch
+        self.seen: list[str] = []
+
+    def drop(self, x: torch.Tensor, y: torch.Tensor, bad: list) -> tuple[torch.Tensor, ...]:
+        if not bad:
+            return x, y
+        rows = [r for r, _ in bad]
+        for _, name in bad:
+            self.seen.append(name)
+            event(self.cfg, {"event": "bad_image", "epoch": self.epoch, "image": name,
+                             "rank": self.worker.rank, "skipped": self.cfg.data.skip_bad_images})
+        keep = torch.ones(len(y), dtype=torch.bool)
+        keep[rows] = False
+        if not keep.any():
+            return x, y
+        keep = keep.to(y.device)
+        return x[keep], y[keep]
+
+    def stop_now(self) -> str | None:
+        """Collective: the first bad image any rank met, when the run must stop; else None."""
+        if self.cfg.data.skip_bad_images:
+            return None
+        flag = torch.tensor([1.0 if self.seen else 0.0], device=self.worker.device)
+        all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        names = gather_objects(self.seen[:1])
+        return next(n for found in names for n in found)
+
+
+class Progress:
+    """Rank 0's in-epoch progress line every --progress-every seconds (streamed data only:
+    a built-in epoch takes seconds): images/s, ETA, the share of time spent waiting on data."""
+
+    def __init__(self, cfg: TrainConfig, worker: Worker, epoch: int, steps: int, batch: int):
+        every = cfg.data.progress_every if cfg.data.streaming and worker.master else 0
+        self.cfg, self.epoch, self.steps, self.world = cfg, epoch, steps, worker.world
+        self.every = every
+        self.start = self.last = time.perf_counter()
+
+    def step(self, i: int, count: int, wait: float) -> None:
+        now = time.perf_counter()
+        if not self.every or now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = count * self.world / elapsed  # ranks run the same steps at the same pace
+        eta = elapsed / i * (self.steps - i)
+        log_line(self.cfg, f"epoch {self.epoch}: step {i}/{self.steps}, {rate:,.0f} images/s, "
+                           f"ETA {eta:.0f}s, waiting for data {100 * wait / elapsed:.0f}%")
 
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, scaler,
@@ -219,33 +307,45 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, sc
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, aug: Augment, amp_dtype, worker: Worker
-             ) -> list[float]:
+def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, batch: int
+             ) -> dict[str, Any]:
     """Loss and accuracy over the whole test split, each sample on exactly one worker.
 
     Uses the unwrapped model: DDP's forward would add collectives that uneven shards break.
+    Images that could not be decoded are left out, and named.
     """
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=worker.device)
-    shard = eval_shard(len(data.test_y), worker.rank, worker.world).to(worker.device)
-    for idx in shard.split(EVAL_BATCH):
+    sums = torch.zeros(4, dtype=torch.float64, device=worker.device)  # loss, correct, n, bad
+    seen: list[str] = []
+    for x, y, bad in source.test_batches(worker.rank, worker.world, batch):
+        if bad:
+            keep = torch.ones(len(y), dtype=torch.bool)
+            keep[[r for r, _ in bad]] = False
+            seen += [name for _, name in bad]
+            x, y = x[keep.to(x.device)], y[keep.to(y.device)]
+            if not len(y):
+                continue
         with torch.autocast(worker.device.type, dtype=amp_dtype or torch.float32,
                             enabled=amp_dtype is not None):
-            logits = model(aug(data.test_x[idx]))
-        y = data.test_y[idx]
-        sums[:2] += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                                 (logits.argmax(1) == y).sum().double()])
-    sums[2] = len(shard)
+            logits = model(aug(x))
+        sums[:3] += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                                 (logits.argmax(1) == y).sum().double(),
+                                 torch.tensor(float(len(y)), dtype=torch.float64,
+                                              device=y.device)])
+    sums[3] = len(seen)
     all_reduce(sums)
     model.train()
-    return sums.tolist()
+    first_bad = None
+    if sums[3].item():
+        first_bad = next(n for found in gather_objects(seen[:1]) for n in found)
+    return {"sums": sums.tolist(), "bad_image": first_bad}
 
 
-def epoch_metrics(epoch: int, train: dict[str, Any], test: list[float], optimizer
-                  ) -> dict[str, Any]:
+def epoch_metrics(epoch: int, train: dict[str, Any], test: dict[str, Any], optimizer,
+                  skip_bad: bool = False) -> dict[str, Any]:
     """The per-epoch metrics every worker reports (identical on all: they are all-reduced)."""
-    loss_sum, correct, n = train["sums"]
-    t_loss, t_correct, t_n = test
+    loss_sum, correct, n, wait, bad = train["sums"]
+    t_loss, t_correct, t_n, t_bad = test["sums"]
     metrics = {
         "epoch": epoch,
         "train_loss": loss_sum / max(n, 1),
@@ -257,11 +357,19 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: list[float], optimize
         "epoch_s": train["seconds"],
         "test_count": int(t_n),
         "train_count": int(n),
+        # the share of the epoch the ranks spent waiting for their next batch (mean over ranks)
+        "data_wait": wait / train["world"] / max(train["seconds"], 1e-9),
     }
+    if bad or t_bad:
+        metrics["bad_images"] = int(bad + t_bad)
     if train["first_bad_step"] is not None:
         metrics["error"] = (f"loss became NaN/inf at epoch {epoch}, step "
                             f"{train['first_bad_step']} of {train['steps']}; lower --lr "
                             "or use --nan-policy skip")
+    bad_image = train["bad_image"] or (test["bad_image"] if not skip_bad else None)
+    if bad_image:
+        metrics["error"] = (f"cannot decode image {bad_image} in epoch {epoch}; fix or "
+                            "remove it, or pass --skip-bad-images to skip such images")
     return metrics
 
 
@@ -277,13 +385,29 @@ def seed_log_line(epoch: int, step: int, batch: int, shard: int, steps: int, los
 def log_line(cfg: TrainConfig, text: str) -> None:
     """A rank-0 progress line: to the run's events.jsonl, which the driver prints (Ray's own
     worker output is not forwarded unless --verbose), else to stdout."""
-    if not os.path.isdir(cfg.run_dir):  # a node that does not see the run directory
-        print(text, flush=True)
-        return
-    try:
-        append_jsonl(os.path.join(cfg.run_dir, EVENTS_FILE), {"event": "log", "text": text})
-    except OSError:  # a full disk: the line is not worth failing the run
-        print(text, flush=True)
+    event(cfg, {"event": "log", "text": text}, text)
+
+
+def event(cfg: TrainConfig, record: dict[str, Any], fallback: str | None = None) -> None:
+    """One entry of the run's events.jsonl; ``fallback`` printed where it cannot be written (a
+    node that does not see the run directory, a full disk: not worth failing the run)."""
+    if os.path.isdir(cfg.run_dir):
+        try:
+            append_jsonl(os.path.join(cfg.run_dir, EVENTS_FILE), record)
+            return
+        except OSError:
+            pass
+    if fallback is not None:
+        print(fallback, flush=True)
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a collective: all ranks call it); ``[obj]`` in one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
 
 
 def all_reduce(tensor: torch.Tensor, op=None) -> None:

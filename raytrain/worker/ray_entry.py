@@ -30,6 +30,8 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
     import ray.train
     import ray.train.torch
 
+    config = dict(config)
+    stream = config.pop("stream", None)  # streamed data: what the driver listed
     cfg = TrainConfig.from_flat(config)
     if not cfg.run.verbose:  # Ray Train logs every report at INFO on a logger named by path
         ray_compat.quiet_report_logs()
@@ -49,7 +51,15 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
         gauges.set(metrics)
         _ray_report(metrics, state, cfg.run.storage_path, worker.device, ckpt)
 
-    run_worker(cfg, worker, report, resume)
+    source = None
+    if stream is not None:  # every rank asks for its shards (a barrier in Ray Train)
+        from raytrain.data.streaming import Streamed
+
+        source = Streamed(ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
+                          stream["num_classes"], stream["n_train"], stream["n_val"],
+                          cfg.data.image_size, worker.device, cfg.data.decode == "worker",
+                          cfg.run.seed, cfg.data.augment is not False)
+    run_worker(cfg, worker, report, resume, source)
 
 
 class RayGauges:

@@ -53,7 +53,7 @@ With ``decode_on_worker=True`` the tasks only fetch bytes and the worker decodes
 
 Epoch: the epoch used for seeding is Ray Data's execution index of the dataset (it counts the
 executions of a pipeline; in Train each epoch's iteration is one execution of the shard's
-dataset copy). It is read from a private field; the one private access is ``_epoch_index``.
+dataset copy), read through ``ray_compat.data_execution_index`` (a private field).
 """
 
 from __future__ import annotations
@@ -65,11 +65,12 @@ import os
 import posixpath
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from raytrain.config import ConfigError, RaytrainError
+from raytrain import ray_compat
+from raytrain.errors import ConfigError, RaytrainError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 """torchvision.datasets.folder.IMG_EXTENSIONS (0.29), matched case-insensitively like it."""
@@ -138,10 +139,32 @@ class Listing:
     class_names: list[str]
     tables: dict[str, Any]  # "train"/"val" -> pa.Table(path, label, row, size: file bytes)
     data_dir: str
+    files: dict[str, list[str]] | None = None  # parquet: "train"/"val" -> sorted shard paths
+    rows: dict[str, int] | None = None  # parquet: rows per split (from the footers)
 
     @property
     def counts(self) -> dict[str, int]:
+        if self.rows is not None:
+            return dict(self.rows)
         return {k: t.num_rows for k, t in self.tables.items()}
+
+
+_LISTED: dict[tuple[str, str], Listing] = {}
+
+
+def list_dataset(dataset: str, data_dir: str) -> Listing:
+    """List (imagefolder) or check every footer (parquet) once; ``build_datasets`` reuses the
+    result in the same process (then forgets it). Raises one-line ConfigErrors."""
+    if dataset not in DATASETS:
+        raise ConfigError("dataset", dataset, f"one of {', '.join(DATASETS)} for streaming")
+    key = (dataset, data_dir)
+    if key not in _LISTED:
+        if dataset == "imagefolder":
+            _LISTED[key] = list_image_folder(data_dir)
+        else:
+            names, files, rows = list_parquet(data_dir)
+            _LISTED[key] = Listing(names, {}, data_dir, files=files, rows=rows)
+    return _LISTED[key]
 
 
 def _is_image(name: str) -> bool:
@@ -257,10 +280,8 @@ def list_parquet(data_dir: str) -> tuple[list[str], dict[str, list[str]], dict[s
 
 
 def _epoch_index() -> int:
-    """Ray Data's execution index of the running pipeline (= epoch under Train). Private."""
-    from ray.data import DataContext
-
-    return int(getattr(DataContext.get_current(), "_execution_idx", 0))
+    """Ray Data's execution index of the running pipeline: the epoch (from 0) under Train."""
+    return ray_compat.data_execution_index()
 
 
 def crop_rng(seed: int, epoch: int, key: int) -> np.random.Generator:
@@ -360,17 +381,40 @@ def _key_of(batch: dict, i: int, data: bytes) -> int:
     return zlib.crc32(data)  # Parquet rows have no index: the content keys the crop
 
 
+NAME_BYTES = 256  # a bad image's name travels with its batch as the tail of its UTF-8 bytes
+
+
+def bad_rows(column) -> list[tuple[int, str]]:
+    """The ``bad`` column of a batch (uint8 [B, NAME_BYTES], zero rows for good images) ->
+    (row, name) of each image that could not be decoded."""
+    rows = np.asarray(column)
+    return [(int(i), bytes(rows[i]).rstrip(b"\0").decode("utf-8", "replace"))
+            for i in np.flatnonzero(rows.any(axis=1))]
+
+
+def _name_row(name: str) -> np.ndarray:
+    data = name.encode("utf-8")[-NAME_BYTES:] or b"?"
+    return np.frombuffer(data.ljust(NAME_BYTES, b"\0"), np.uint8)
+
+
+def _why(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip()[:100]}"
+
+
 class DecodeFn:
     """The Ray Data task function: rows (path or image bytes, label) -> uint8 crops.
 
     A plain picklable callable, run by ``map_batches`` as tasks (no ``concurrency``).
     ``bytes_only``: fetch the encoded bytes and pass them on (decoded on the worker).
+    An image that cannot be decoded does not fail the task (Ray would retry it, then fail the
+    worker, which Train restarts: the same file again, --max-failures times): its row is
+    zeros and its name is in the ``bad`` column; the worker loop stops the run or skips it.
     """
 
     def __init__(self, fs, size: int, train: bool, seed: int,
                  bytes_only: bool = False, draft: bool = True):
         # The driver's filesystem object travels pickled: it keeps the endpoint and region the
-        # driver resolved (pyarrow's S3FileSystem pickles its options), so tasks need no env.
+        # driver resolved; credentials come from each node's own environment/instance profile.
         self.fs, self.size, self.train, self.seed = fs, size, train, seed
         self.bytes_only, self.draft = bytes_only, draft
 
@@ -382,21 +426,24 @@ class DecodeFn:
         n = len(datas)
         labels = np.asarray(batch["label"], dtype=np.int64)
         keys = np.array([_key_of(batch, i, datas[i]) for i in range(n)], dtype=np.int64)
+        names = batch.get("path")
+        epoch = _epoch_index()
         if self.bytes_only:
             return {"bytes": np.array(datas, dtype=object), "label": labels, "key": keys,
-                    "epoch": np.full(n, _epoch_index(), np.int64)}
-        epoch = _epoch_index()
-        out = np.empty((n, self.size, self.size, 3), np.uint8)
-        names = batch.get("path")
+                    "epoch": np.full(n, epoch, np.int64),
+                    "name": np.array([str(names[i]) if names is not None else f"row key "
+                                      f"{keys[i]}" for i in range(n)], dtype=object)}
+        out = np.zeros((n, self.size, self.size, 3), np.uint8)
+        bad = np.zeros((n, NAME_BYTES), np.uint8)
         for i, data in enumerate(datas):
             try:
                 out[i] = decode_crop(data, self.size, self.train,
                                      crop_rng(self.seed, epoch, int(keys[i])), self.draft)
-            except Exception as err:
+            except Exception as err:  # PIL raises many kinds for a corrupt or truncated file
                 name = names[i] if names is not None else f"row key {keys[i]}"
-                raise RaytrainError(f"cannot decode image {name}: {type(err).__name__}: "
-                                    f"{str(err)[:120]}") from None
-        return {"image": np.ascontiguousarray(out.transpose(0, 3, 1, 2)), "label": labels}
+                bad[i] = _name_row(f"{name} ({_why(err)})")
+        return {"image": np.ascontiguousarray(out.transpose(0, 3, 1, 2)), "label": labels,
+                "bad": bad}
 
 
 # ---------------------------------------------------------------------------- datasets
@@ -420,16 +467,15 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
     import ray.data
     from ray.data import RandomSeedConfig
 
-    if dataset not in DATASETS:
-        raise ConfigError("dataset", dataset, f"one of {', '.join(DATASETS)} for streaming")
+    listing = list_dataset(dataset, data_dir)
+    _LISTED.pop((dataset, data_dir), None)  # listed for this run; a later one lists again
     if image_size < 8:
         raise ConfigError("image_size", image_size, "an integer >= 8")
     per_epoch = RandomSeedConfig(seed=seed, reseed_after_execution=True)
     fs = resolve_fs(data_dir)[0]
     out = {}
+    class_names, counts = listing.class_names, listing.counts
     if dataset == "imagefolder":
-        listing = list_image_folder(data_dir)
-        class_names, counts = listing.class_names, listing.counts
         for split, table in listing.tables.items():
             step = _rows_per_block(table.num_rows)
             blocks = [table.slice(i, step) for i in range(0, table.num_rows, step)]
@@ -439,8 +485,7 @@ def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool =
     else:
         from ray.data import FileShuffleConfig
 
-        class_names, files, counts = list_parquet(data_dir)
-        for split, paths in files.items():
+        for split, paths in listing.files.items():
             shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) \
                 if split == "train" else None
             out[split] = ray.data.read_parquet(paths, filesystem=fs, shuffle=shuffle,
@@ -462,7 +507,7 @@ def _parquet_columns(fs, path: str) -> list[str]:
 # ---------------------------------------------------------------------------- Train config
 
 
-def data_config():
+def data_config(start_epoch: Callable[[], int] | None = None):
     """``TorchTrainer(dataset_config=data_config())``: train split equally, val split exactly.
 
     ``train``: ``streaming_split(world, equal=True)``: every rank gets the same number of rows,
@@ -473,25 +518,36 @@ def data_config():
     batch (use the unwrapped module; sum loss/correct/count and all-reduce once at the end).
     Every val image is decoded once in total, and the split balances itself (a slow rank pulls
     fewer blocks), unlike an unsplit val that every rank reads and filters (world x the decode).
+
+    ``start_epoch``: called (in Ray Train's dataset manager, each time a worker group starts)
+    for the epoch the workers resume after; the pipelines' epoch count starts there, so a
+    resumed run shuffles and crops epoch N+1 as an uninterrupted one would
+    (``ray_compat.set_data_execution_index``).
     """
     from ray.train import DataConfig
 
     class StreamingDataConfig(DataConfig):
+        def __init__(self, start_epoch):
+            super().__init__()
+            self.start_epoch = start_epoch
+
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             output = [{} for _ in range(world_size)]
-            hints = worker_node_ids if self._enable_shard_locality else None
+            start = self.start_epoch() if self.start_epoch is not None else 0
             for name, ds in datasets.items():
                 if ds.name is None:
                     ds.set_name(name)
                 ds = ds.copy(ds)
-                ds.context.execution_options = self._resolve_execution_options(name)
+                # Train's default ingest options, as DataConfig.configure applies them
+                ds.context.execution_options = DataConfig.default_ingest_options()
+                ray_compat.set_data_execution_index(ds.context, start)
                 splits = ds.streaming_split(world_size, equal=name != "val",
-                                            locality_hints=hints)
+                                            locality_hints=worker_node_ids)
                 for i, split in enumerate(splits):
                     output[i][name] = split
             return output
 
-    return StreamingDataConfig()
+    return StreamingDataConfig(start_epoch)
 
 
 def steps_per_epoch(n_train: int, world: int, per_worker_batch: int, drop_last: bool = True
@@ -537,12 +593,16 @@ def reserve_data_cpus(data_cpus: float | None) -> None:
 # ---------------------------------------------------------------------------- worker side
 
 
-def decode_batch(datas, size: int, train: bool, seed: int, epoch: int, keys, device="cpu"):
-    """Encoded images -> uint8 [B, 3, size, size] on ``device``, with ``torchvision.io``.
+def decode_batch(datas, size: int, train: bool, seed: int, epoch: int, keys, device="cpu",
+                 names=None):
+    """Encoded images -> (uint8 [B, 3, size, size] on ``device``, [(row, name)] of bad ones),
+    with
+    ``torchvision.io``.
 
     JPEGs are decoded together by ``decode_jpeg`` (one batched nvjpeg call when ``device`` is
     CUDA); other formats, or JPEGs it refuses (CMYK on GPU), by ``decode_image`` on the CPU.
-    Crops use the same boxes as the CPU path, resized with antialiasing.
+    Crops use the same boxes as the CPU path, resized with antialiasing. An image neither can
+    decode is zeros, and its row and name (``names[i]``) are in the returned list.
     """
     import torch
     from torchvision.io import ImageReadMode, decode_image, decode_jpeg
@@ -561,50 +621,112 @@ def decode_batch(datas, size: int, train: bool, seed: int, epoch: int, keys, dev
                 images[i] = img
         except RuntimeError:
             pass  # fall back to one at a time below
+    out = torch.zeros((len(datas), 3, size, size), dtype=torch.uint8, device=device)
+    bad = []
     for i, img in enumerate(images):
-        if img is None:
-            images[i] = decode_image(tensors[i], mode=ImageReadMode.RGB).to(device)
-    out = torch.empty((len(datas), 3, size, size), dtype=torch.uint8, device=device)
-    for i, img in enumerate(images):
-        h, w = img.shape[-2:]
-        left, top, cw, ch = crop_box(w, h, size, train, crop_rng(seed, epoch, int(keys[i])))
-        t, l = int(round(top)), int(round(left))
-        out[i] = resized_crop(img, t, l, max(1, int(round(ch))), max(1, int(round(cw))),
-                              [size, size], antialias=True)
-    return out
+        try:
+            if img is None:
+                img = decode_image(tensors[i], mode=ImageReadMode.RGB).to(device)
+            h, w = img.shape[-2:]
+            left, top, cw, ch = crop_box(w, h, size, train, crop_rng(seed, epoch, int(keys[i])))
+            t, l = int(round(top)), int(round(left))
+            out[i] = resized_crop(img, t, l, max(1, int(round(ch))), max(1, int(round(cw))),
+                                  [size, size], antialias=True)
+        except RuntimeError as err:
+            name = names[i] if names is not None else f"row key {keys[i]}"
+            bad.append((i, f"{name} ({_why(err)})"))
+    return out, bad
 
 
-def _collate_bytes(batch: dict) -> dict:
-    return batch  # keep numpy/object columns; the worker decodes
+def _collate_fn():
+    """Ray Data's numpy collate hook: torch tensors for the pixels and labels, the ``bad``
+    names left on the host (read there without a device sync), bytes left as they are."""
+    from ray.data.collate_fn import NumpyBatchCollateFn
+    import torch
+
+    class Collate(NumpyBatchCollateFn):
+        def __call__(self, batch: dict) -> dict:
+            if "bytes" in batch:
+                return batch
+            return {"image": torch.from_numpy(np.ascontiguousarray(batch["image"])),
+                    "label": torch.from_numpy(np.asarray(batch["label"], np.int64)),
+                    "bad": batch["bad"]}
+
+    return Collate()
 
 
 def iter_batches(shard, per_worker_batch: int, device, *, train: bool,
                  prefetch_batches: int = 4, decode: dict | None = None
-                 ) -> Iterator[tuple[Any, Any]]:
-    """Yield ``(x_uint8 [B,3,N,N], y int64 [B])`` on ``device`` from a Train dataset shard.
+                 ) -> Iterator[tuple[Any, Any, list[tuple[int, str]]]]:
+    """Yield ``(x_uint8 [B,3,N,N], y int64 [B], [(row, name)] of bad images)`` on ``device``
+    from a Train
+    dataset shard.
 
     ``train=True`` drops the last partial batch: with ``data_config()``'s equal split every rank
     then yields exactly ``steps_per_epoch(...)`` batches. ``train=False`` keeps every row (val
     counts differ by rank; sum and all-reduce). ``decode``: for datasets built with
     ``decode_on_worker=True``, ``{"size": N, "train": bool, "seed": s}``; decoding then runs here
-    with ``decode_batch`` on ``device``.
+    with ``decode_batch`` on ``device``. Rows of images that could not be decoded are zeros;
+    their rows and names come third.
     """
     import torch
 
     device = torch.device(device)
-    if decode is None:
-        for batch in shard.iter_torch_batches(batch_size=per_worker_batch,
-                                              prefetch_batches=prefetch_batches,
-                                              drop_last=train, device=device,
-                                              dtypes={"image": torch.uint8,
-                                                      "label": torch.int64}):
-            yield batch["image"], batch["label"]
-        return
     for batch in shard.iter_torch_batches(batch_size=per_worker_batch,
                                           prefetch_batches=prefetch_batches, drop_last=train,
-                                          collate_fn=_collate_bytes):
+                                          collate_fn=_collate_fn()):
+        if decode is None:
+            yield (batch["image"].to(device, non_blocking=True),
+                   batch["label"].to(device, non_blocking=True), bad_rows(batch["bad"]))
+            continue
         epoch = int(batch["epoch"][0]) if len(batch["epoch"]) else 0
-        x = decode_batch(list(batch["bytes"]), decode["size"], decode["train"], decode["seed"],
-                         epoch, batch["key"], device)
+        x, bad = decode_batch(list(batch["bytes"]), decode["size"], decode["train"],
+                              decode["seed"], epoch, batch["key"], device, batch["name"])
         y = torch.as_tensor(np.asarray(batch["label"], np.int64)).to(device, non_blocking=True)
-        yield x, y
+        yield x, y, bad
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)  # torchvision's ImageNet recipe
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Streamed:
+    """Streamed images as the worker loop's source of batches (``worker/loop.py``): this
+    rank's Ray Data shards of train and val. The loop needs no Ray: it sees ``steps``,
+    ``train_batches`` and ``test_batches``, as for the in-memory ``builtin.InMemory``."""
+
+    crop_pad = 0  # random-resized crops were taken where the images were decoded
+    flip_ok = True
+
+    def __init__(self, train_shard, val_shard, num_classes: int, n_train: int, n_val: int,
+                 image_size: int, device, decode_on_worker: bool = False, seed: int = 0,
+                 augment: bool = True):
+        self.train_shard, self.val_shard = train_shard, val_shard
+        self.num_classes, self.n_train, self.n_val = num_classes, n_train, n_val
+        self.device = device
+        self.decode = ({"size": image_size, "seed": seed, "train": augment}
+                       if decode_on_worker else None)
+
+    def normalization(self, how: str = "dataset") -> tuple[tuple[float, ...], ...]:
+        if how == "none":
+            return (0.0,) * 3, (1.0,) * 3
+        if how == "half":
+            return (0.5,) * 3, (0.5,) * 3
+        return IMAGENET_MEAN, IMAGENET_STD
+
+    def steps(self, world: int, per_worker_batch: int) -> int:
+        return max(1, steps_per_epoch(self.n_train, world, per_worker_batch))
+
+    def shard_size(self, rank: int, world: int) -> int:
+        return self.n_train // world
+
+    def train_batches(self, epoch: int, rank: int, world: int, seed: int, steps: int,
+                      per_worker_batch: int):
+        """This epoch's batches (Ray Data reshuffles and re-crops every pass)."""
+        return iter_batches(self.train_shard, per_worker_batch, self.device, train=True,
+                            decode=self.decode)
+
+    def test_batches(self, rank: int, world: int, per_worker_batch: int):
+        decode = dict(self.decode, train=False) if self.decode else None
+        return iter_batches(self.val_shard, per_worker_batch, self.device, train=False,
+                            decode=decode)
