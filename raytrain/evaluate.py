@@ -13,32 +13,47 @@ import sys
 
 import torch
 
-from raytrain.config import DATASETS
+from raytrain.config import DATASETS, STREAMING
 from raytrain.errors import ConfigError, RaytrainError
 
 
 def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None,
-                  stem: str = "auto", normalize: str = "dataset") -> dict[str, float]:
+                  stem: str = "auto", normalize: str = "dataset", image_size: int | None = None
+                  ) -> dict[str, float]:
     from raytrain import checkpoint
-    from raytrain.data import Augment, load_dataset
+    from raytrain.data import Augment, InMemory, load_dataset
     from raytrain.worker.loop import Worker, evaluate
     from raytrain.models import build_model
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "model.pt")):
         path = os.path.join(path, "model.pt")
     weights = checkpoint.model_weights(path)
-    data = load_dataset(dataset, data_dir)
-    model = build_model(model_name, data.num_classes, stem=stem)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dataset in STREAMING:  # the val split, decoded here (no Ray), as in training
+        from raytrain.data.streaming import LocalVal
+
+        if not data_dir:
+            raise ConfigError("data_dir", data_dir, f"the directory or URI of the {dataset} "
+                              "dataset")
+        image_size = image_size or 224
+        data = LocalVal(dataset, data_dir, image_size)
+    else:
+        image_size = 32
+        data = InMemory(load_dataset(dataset, data_dir).to(device))
+    model = build_model(model_name, data.num_classes, stem=stem, image_size=image_size)
     try:
         model.load_state_dict(weights)
     except RuntimeError as err:
         first = str(err).strip().splitlines()
         raise RaytrainError(f"{path}: weights do not fit --model {model_name} on {dataset} "
                             f"({first[1].strip() if len(first) > 1 else first[0]})") from None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     aug = Augment(*data.normalization(normalize), device)
-    loss, correct, n = evaluate(model, data.to(device), aug, None, Worker(0, 0, 1, device))
+    result = evaluate(model, data, aug, None, Worker(0, 0, 1, device), 256)
+    loss, correct, n, bad = result["sums"]
+    if bad:
+        print(f"raytrain: warning: {int(bad)} val image(s) could not be decoded and were left "
+              f"out, e.g. {result['bad_image']}", file=sys.stderr)
     return {"test_loss": loss / n, "test_acc": correct / n, "test_count": int(n)}
 
 
@@ -57,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if dataset not in DATASETS:
             raise ConfigError("dataset", dataset, "one of " + ", ".join(DATASETS))
         result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"),
-                               saved.get("stem", "auto"), saved.get("normalize", "dataset"))
+                               saved.get("stem", "auto"), saved.get("normalize", "dataset"),
+                               saved.get("image_size"))
     except RaytrainError as err:
         print(f"raytrain: error: {err}", file=sys.stderr)
         return 2

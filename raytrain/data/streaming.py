@@ -730,3 +730,45 @@ class Streamed:
         decode = dict(self.decode, train=False) if self.decode else None
         return iter_batches(self.val_shard, per_worker_batch, self.device, train=False,
                             decode=decode)
+
+
+class LocalVal:
+    """The val split of a streamed dataset read in this process, without Ray (``python -m
+    raytrain.evaluate``): the same listing, eval crops and normalisation as training, decoded
+    by a thread pool (PIL releases the GIL while decoding)."""
+
+    crop_pad, flip_ok = 0, True
+    normalization = Streamed.normalization
+
+    def __init__(self, dataset: str, data_dir: str, image_size: int, batch: int = 256):
+        self.listing = list_dataset(dataset, data_dir)
+        _LISTED.pop((dataset, data_dir), None)
+        self.fs = resolve_fs(data_dir)[0]
+        self.num_classes = len(self.listing.class_names)
+        self.n_val = self.listing.counts["val"]
+        self.size, self.batch = image_size, batch
+
+    def _rows(self) -> Iterator[dict]:
+        """Batches of rows as DecodeFn takes them (path or image bytes, label, ...)."""
+        if self.listing.files is None:
+            table = self.listing.tables["val"]
+            for i in range(0, table.num_rows, self.batch):
+                yield table.slice(i, self.batch).to_pydict()
+            return
+        import pyarrow.parquet as pq
+
+        for path in self.listing.files["val"]:
+            f = pq.ParquetFile(path, filesystem=self.fs)
+            cols = [c for c in ("image", "label", "path") if c in f.schema_arrow.names]
+            for rb in f.iter_batches(batch_size=self.batch, columns=cols):
+                yield rb.to_pydict()
+
+    def test_batches(self, rank: int = 0, world: int = 1, per_worker_batch: int = 0):
+        import torch
+        from concurrent.futures import ThreadPoolExecutor
+
+        fn = DecodeFn(self.fs, self.size, train=False, seed=0)
+        with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+            for out in pool.map(fn, self._rows()):
+                yield (torch.from_numpy(out["image"]), torch.from_numpy(out["label"]),
+                       bad_rows(out["bad"]))

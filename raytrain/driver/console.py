@@ -56,9 +56,25 @@ def print_summary(summary) -> None:
         phases = " + ".join(f"{name} {sec:.1f}" for name, sec in summary.startup or [])
         print(f"time to first step {summary.first_step_s:.1f}s"
               + (f" = {phases}" if phases else "") + f"; wall time {summary.wall_s:.1f}s")
+    data = data_line(summary.rows)
+    if data:
+        print(data)
     print(f"run directory: {summary.run_dir}")
     if summary.model_path:
         print(f"weights: {summary.model_path}")
+
+
+def data_line(rows: list[dict]) -> str | None:
+    """Streamed data: how long the first batch took and how much of the training time the
+    workers waited for data (the epochs of this run's rows)."""
+    first = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None]
+    waits = [r["data_wait"] for r in rows if "data_wait" in r]
+    if not first or not waits:
+        return None
+    bad = sum(r.get("bad_images", 0) for r in rows)
+    return (f"data: first batch {first[-1]:.1f}s into the first epoch; workers waited for data "
+            f"{100 * sum(waits) / len(waits):.0f}% of training time"
+            + (f"; {bad} undecodable image(s) skipped (events.jsonl)" if bad else ""))
 
 
 class Poller:

@@ -87,9 +87,13 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         step += steps
         test = evaluate(model, source, aug, amp_dtype, worker, batch)
         metrics = epoch_metrics(epoch, train, test, optimizer, cfg.data.skip_bad_images)
+        if not cfg.data.streaming:  # in memory: no waiting for data to speak of
+            metrics.pop("data_wait")
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
             metrics.update(first_step_at=train["first_step_at"], resumed_from=done,
-                           startup=startup, first_batch_s=train["first_batch_s"])
+                           startup=startup)
+            if cfg.data.streaming:
+                metrics["first_batch_s"] = train["first_batch_s"]
         # Never checkpoint a diverged model: the latest checkpoint is what a rerun resumes.
         save = worker.master and "error" not in metrics and (
             epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
@@ -318,6 +322,7 @@ def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, 
     sums = torch.zeros(4, dtype=torch.float64, device=worker.device)  # loss, correct, n, bad
     seen: list[str] = []
     for x, y, bad in source.test_batches(worker.rank, worker.world, batch):
+        x, y = x.to(worker.device, non_blocking=True), y.to(worker.device, non_blocking=True)
         if bad:
             keep = torch.ones(len(y), dtype=torch.bool)
             keep[[r for r, _ in bad]] = False
