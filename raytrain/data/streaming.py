@@ -398,6 +398,10 @@ def _name_row(name: str) -> np.ndarray:
 
 
 def _why(err: BaseException) -> str:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(err, UnidentifiedImageError):  # its message names an in-memory BytesIO
+        return "not an image file PIL can read"
     return f"{type(err).__name__}: {str(err).strip()[:100]}"
 
 
@@ -524,6 +528,9 @@ def data_config(start_epoch: Callable[[], int] | None = None):
     resumed run shuffles and crops epoch N+1 as an uninterrupted one would
     (``ray_compat.set_data_execution_index``).
     """
+    import copy
+
+    from ray.data import DataContext
     from ray.train import DataConfig
 
     class StreamingDataConfig(DataConfig):
@@ -538,8 +545,10 @@ def data_config(start_epoch: Callable[[], int] | None = None):
                 if ds.name is None:
                     ds.set_name(name)
                 ds = ds.copy(ds)
-                # Train's default ingest options, as DataConfig.configure applies them
-                ds.context.execution_options = DataConfig.default_ingest_options()
+                # The trainer's copy of the driver's options (what DataConfig's
+                # default_ingest_options carries over, without its deprecation warning)
+                ds.context.execution_options = copy.deepcopy(
+                    DataContext.get_current().execution_options)
                 ray_compat.set_data_execution_index(ds.context, start)
                 splits = ds.streaming_split(world_size, equal=name != "val",
                                             locality_hints=worker_node_ids)
@@ -578,13 +587,16 @@ def check_data_cpus(cluster_cpus: float, num_workers: int, cpus_per_worker: floa
     return left
 
 
-def reserve_data_cpus(data_cpus: float | None) -> None:
+def reserve_data_cpus(data_cpus: float | None, verbose: bool = False) -> None:
     """Cap Ray Data at ``data_cpus`` CPUs in the current DataContext (call before building the
     TorchTrainer, which deep-copies the context); ``None`` leaves Ray Data every CPU the
-    workers do not hold (its default)."""
+    workers do not hold (its default). Its progress bars and per-execution log lines (one per
+    epoch and split, forwarded to the driver's console) only with ``verbose``."""
     from ray.data import DataContext, ExecutionResources
 
     ctx = DataContext.get_current()
+    ctx.enable_progress_bars = ctx.print_on_execution_start = verbose
+    ctx.execution_options.verbose_progress = verbose
     ctx.execution_options.resource_limits = (
         ExecutionResources.for_limits() if data_cpus is None
         else ExecutionResources.for_limits(cpu=data_cpus))

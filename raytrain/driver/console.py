@@ -125,7 +125,10 @@ class EpochPrinter(Poller):
         for event in events[self.events:]:
             if event["event"] == "log":
                 print(event["text"], file=self.out, flush=True)
-            else:
+            elif event["event"] == "bad_image":
+                print(f"{'skipped' if event['skipped'] else 'cannot decode'} image "
+                      f"{event['image']} (epoch {event['epoch']})", file=self.out, flush=True)
+            elif event["event"] == "worker_failure":
                 print(f"worker failure: {event['error']}", file=self.out, flush=True)
         self.events = len(events)
         for m in rows:

@@ -65,10 +65,13 @@ def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
 
         listing = list_dataset(d.dataset, d.data_dir)
         num_classes, n_train = len(listing.class_names), listing.counts["train"]
-        if n_train // cfg.cluster.max_workers < cfg.per_worker_batch:
-            raise ConfigError("batch_size", cfg.optim.batch_size, f"at most {n_train // cfg.cluster.max_workers * cfg.cluster.max_workers} "
-                              f"(the {n_train} training images in {d.data_dir}, split over "
-                              f"{cfg.cluster.max_workers} workers, make no full batch)")
+        workers = cfg.cluster.max_workers
+        key, sizes = (("batch_sizes", cfg.tune.batch_size_choices()) if cfg.tune.tune else
+                      ("batch_size", [cfg.optim.batch_size]))
+        if n_train // workers < max(sizes) // workers:
+            raise ConfigError(key, ",".join(map(str, sizes)), f"at most {n_train // workers * workers} "
+                              f"(the {n_train} training images in {d.data_dir} over "
+                              f"{workers} worker(s) would not fill one batch)")
         check_input_size(cfg.model.model, num_classes, cfg.model.stem, d.image_size)
     if cfg.model.pretrained:  # load it once here so a bad file fails before Ray starts
         build_model(cfg.model.model, num_classes, cfg.model.pretrained, cfg.model.stem,

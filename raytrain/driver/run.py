@@ -129,10 +129,11 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     from raytrain.data import streaming
 
     d = cfg.data
+    # Before the datasets are made: each keeps the DataContext of its making.
+    streaming.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
     datasets, names, counts = streaming.build_datasets(
         d.dataset, d.data_dir, d.image_size, augment=d.augment is not False, seed=cfg.run.seed,
         decode_on_worker=d.decode == "worker")
-    streaming.reserve_data_cpus(d.data_cpus)  # before the trainer copies the DataContext
     if os.path.isdir(cfg.run_dir):  # class names in label order, beside model.pt
         files.atomic_write(os.path.join(cfg.run_dir, "classes.json"), json.dumps(names))
     flat["stream"] = {"num_classes": len(names), "n_train": counts["train"],

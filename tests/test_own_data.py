@@ -1,0 +1,258 @@
+"""Your own images through ``python -m raytrain.fit``: image folders and Parquet shards streamed
+by Ray Data to real DDP workers on the session's 2-CPU Ray cluster (issue 17).
+
+Real data: the bundled digits written as image files of mixed sizes, modes and formats, with
+stray non-image files; 359 val images, which no worker count here divides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain import evaluate, fit
+from raytrain.data import load_dataset
+from tests.helpers import metrics, wait_for_epoch
+
+N_VAL = 359
+MODES = [("L", ".png", 32), ("RGB", ".jpg", 40), ("RGBA", ".png", 28), ("P", ".png", 36),
+         ("CMYK", ".JPEG", 48), ("RGB", ".Png", 32), ("L", ".jpeg", 24)]
+
+
+def write_digits_folder(root, per_class: int | None = None, n_val: int = N_VAL) -> str:
+    """digits as DIR/train/<d>/*, DIR/val/<d>/* in every mode/format/size of MODES, plus
+    files an image folder must ignore."""
+    from PIL import Image
+
+    data = load_dataset("digits")
+    splits = {"train": (data.train_x, data.train_y), "val": (data.test_x[:n_val],
+                                                             data.test_y[:n_val])}
+    for split, (xs, ys) in splits.items():
+        taken: dict[int, int] = {}
+        for i, (x, y) in enumerate(zip(xs.permute(0, 2, 3, 1).numpy(), ys.tolist())):
+            if per_class is not None and taken.get(y, 0) >= (per_class if split == "train"
+                                                             else max(2, per_class // 4)):
+                continue
+            taken[y] = taken.get(y, 0) + 1
+            mode, ext, size = MODES[i % len(MODES)]
+            folder = os.path.join(root, split, str(y))
+            os.makedirs(folder, exist_ok=True)
+            Image.fromarray(x).resize((size, size + i % 5)).convert(mode).save(
+                os.path.join(folder, f"{i:04d}{ext}"))
+    for stray in ("train/.DS_Store", "train/3/notes.txt", "val/README"):
+        with open(os.path.join(root, stray), "w") as f:
+            f.write("not an image")
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def digits_folder(tmp_path_factory):
+    return write_digits_folder(tmp_path_factory.mktemp("digits-folder"))
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory):
+    """10 classes x 12 train images (val: 3 per class)."""
+    return write_digits_folder(tmp_path_factory.mktemp("small-folder"), per_class=12)
+
+
+def _fit(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = fit.main(list(argv))
+    print(out.getvalue(), err.getvalue())
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _events(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_image_folder_run_learns_counts_every_val_image_and_evaluates(ray_cluster, digits_folder,
+                                                                     tmp_path, capsys):
+    rc, out, err = _fit("--dataset", "imagefolder", "--data-dir", digits_folder,
+                        "--image-size", "32", "--num-workers", "2", "--epochs", "3",
+                        "--progress-every", "0.5", "--storage-path", str(tmp_path),
+                        "--name", "folder")
+    assert rc == 0, err
+    run_dir = tmp_path / "folder"
+    rows = metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    # every val image once, across 2 workers (359 is odd); train: equal steps on both ranks
+    assert all(r["test_count"] == N_VAL for r in rows)
+    assert all(r["train_count"] == 1437 // 2 // 64 * 64 * 2 for r in rows)
+    assert rows[-1]["test_acc"] > 0.5, rows  # chance is 0.10
+    assert all(0 <= r["data_wait"] <= 1 for r in rows) and rows[0]["first_batch_s"] > 0
+    assert json.loads((run_dir / "classes.json").read_text()) == [str(d) for d in range(10)]
+    assert "data: first batch" in out and "workers waited for data" in out
+    progress = [e["text"] for e in _events(run_dir) if e.get("event") == "log"]
+    assert any("images/s, ETA" in t for t in progress), progress
+    # model.pt: a plain state_dict; evaluate reads the same val split (no Ray) to the same score
+    assert all(isinstance(v, torch.Tensor) for v in
+               torch.load(run_dir / "model.pt", weights_only=True).values())
+    capsys.readouterr()
+    assert evaluate.main([str(run_dir)]) == 0
+    said = capsys.readouterr().out
+    assert f"test_acc {rows[-1]['test_acc']:.4f}" in said and f"({N_VAL} images" in said
+
+
+def test_parquet_from_pack_gives_the_same_counts_with_worker_side_decode(ray_cluster,
+                                                                         digits_folder, tmp_path):
+    from raytrain import pack
+
+    shards = str(tmp_path / "shards")
+    assert pack.pack(digits_folder, shards, shard_mb=0.5) == {"train": 1437, "val": N_VAL}
+    assert len(os.listdir(os.path.join(shards, "train"))) > 1  # ~0.5 MB shards
+    rc, _, err = _fit("--dataset", "parquet", "--data-dir", shards, "--image-size", "32",
+                      "--num-workers", "2", "--epochs", "1", "--decode", "worker",
+                      "--storage-path", str(tmp_path), "--name", "pq")
+    assert rc == 0, err
+    (row,) = metrics(tmp_path / "pq")
+    assert row["test_count"] == N_VAL and row["train_count"] == 1437 // 2 // 64 * 64 * 2
+    assert row["test_acc"] > 0.2  # one epoch, above chance
+
+
+def _layout(root, case: str) -> str:
+    """A broken dataset directory (``case``) under ``root``."""
+    from PIL import Image
+
+    def img(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        Image.new("RGB", (8, 8)).save(path)
+
+    d = str(root / case)
+    if case == "missing":
+        return d
+    if case == "no_train":
+        img(f"{d}/images/a/1.png")
+    if case == "no_classes":
+        os.makedirs(f"{d}/train")
+        os.makedirs(f"{d}/val")
+    if case == "empty_class":
+        img(f"{d}/train/a/1.png")
+        os.makedirs(f"{d}/train/b")
+        img(f"{d}/val/a/1.png")
+    if case == "val_not_subset":
+        img(f"{d}/train/a/1.png")
+        img(f"{d}/val/z/1.png")
+    if case == "parquet_columns":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        for split in ("train", "val"):
+            os.makedirs(f"{d}/{split}")
+            pq.write_table(pa.table({"jpg": [b"x"], "cls": [0]}), f"{d}/{split}/0.parquet")
+        with open(f"{d}/classes.json", "w") as f:
+            json.dump(["a"], f)
+    return d
+
+
+@pytest.mark.parametrize("case,says", [
+    ("missing", "an existing directory"), ("no_train", "train/ and val/"),
+    ("no_classes", "class folders"), ("empty_class", "train/b/ has none"),
+    ("val_not_subset", "which train/ lacks"), ("parquet_columns", "columns image")])
+def test_bad_layouts_are_one_line_exit_2_before_ray_starts(tmp_path, case, says):
+    import ray
+
+    dataset = "parquet" if case.startswith("parquet") else "imagefolder"
+    started = ray.is_initialized()
+    rc, out, err = _fit("--dataset", dataset, "--data-dir", _layout(tmp_path, case),
+                        "--storage-path", str(tmp_path / "runs"), "--name", "bad")
+    assert rc == 2 and "--data-dir" in err and says in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert ray.is_initialized() == started  # refused before any Ray process starts
+    assert not os.path.exists(tmp_path / "runs" / "bad")
+
+
+def test_model_that_cannot_take_the_size_is_one_line(tmp_path, small_folder):
+    rc, _, err = _fit("--dataset", "imagefolder", "--data-dir", small_folder, "--model",
+                      "seed-cnn", "--image-size", "64", "--batch-size", "16",
+                      "--storage-path", str(tmp_path))
+    assert rc == 2 and "--image-size" in err and "seed-cnn" in err and \
+        len(err.strip().splitlines()) == 1
+
+
+def test_corrupt_image_stops_the_run_naming_it_or_is_skipped(ray_cluster, small_folder,
+                                                             tmp_path):
+    import shutil
+
+    folder = str(tmp_path / "corrupt")
+    shutil.copytree(small_folder, folder)
+    victim = os.path.join(folder, "train", "4", "broken.jpg")
+    with open(os.path.join(folder, "train", "4", sorted(os.listdir(
+            os.path.join(folder, "train", "4")))[0]), "rb") as f:
+        data = f.read()
+    with open(victim, "wb") as f:  # a JPEG header and nothing decodable after it
+        f.write(b"\xff\xd8\xff\xe0" + b"\x00" * 64)
+    common = ["--dataset", "imagefolder", "--data-dir", folder, "--image-size", "32",
+              "--num-workers", "2", "--batch-size", "16", "--epochs", "2",
+              "--storage-path", str(tmp_path)]
+    rc, _, err = _fit(*common, "--name", "stops")
+    assert rc == 1 and "--skip-bad-images" in err, err
+    (line,) = [line for line in err.splitlines() if "broken.jpg" in line]  # one line says it
+    assert "cannot decode image" in line and "epoch 1" in line
+    assert not [d for d in os.listdir(tmp_path / "stops") if d.startswith("checkpoint_")]
+    assert data  # the folder's other images are intact JPEG/PNG files
+
+    rc, _, err = _fit(*common, "--name", "skips", "--skip-bad-images")
+    assert rc == 0, err
+    rows = metrics(tmp_path / "skips")
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert sum(r.get("bad_images", 0) for r in rows) == 2  # once per epoch (train split)
+    named = [e for e in _events(tmp_path / "skips") if e.get("event") == "bad_image"]
+    assert len(named) == 2 and all("broken.jpg" in e["image"] for e in named)
+
+
+def test_killed_worker_on_an_image_folder_run_resumes_each_epoch_once(ray_cluster,
+                                                                      digits_folder, tmp_path):
+    from tests.test_fault_tolerance import _train_workers
+
+    address = ray_cluster.address_info["gcs_address"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raytrain.fit", "--address", address, "--dataset",
+         "imagefolder", "--data-dir", digits_folder, "--image-size", "32", "--num-workers",
+         "2", "--epochs", "4", "--max-failures", "2", "--storage-path", str(tmp_path),
+         "--name", "kill"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_epoch(tmp_path / "kill", 2, proc)
+        victims = _train_workers(address)
+        assert len(victims) == 2
+        victims[-1].send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    rows = metrics(tmp_path / "kill")
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["test_count"] == N_VAL for r in rows)
+    resumed = [r["resumed_from"] for r in rows if r.get("resumed_from")]
+    assert resumed and resumed[0] >= 2, out
+
+
+def test_tune_searches_on_an_image_folder(ray_cluster, small_folder, tmp_path):
+    rc, out, err = _fit("--tune", "--dataset", "imagefolder", "--data-dir", small_folder,
+                        "--image-size", "32", "--num-workers", "1", "--epochs", "1",
+                        "--num-samples", "1", "--lr-range", "0.01,0.1", "--batch-sizes", "16",
+                        "--scheduler", "none", "--storage-path", str(tmp_path), "--name", "tn")
+    assert rc == 0, err
+    import csv
+
+    with open(tmp_path / "tn" / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(float(r["test_acc"]) >= 0 for r in rows), rows
+    assert np.isclose(sorted(float(r["lr"]) for r in rows), [0.01, 0.1]).all()
