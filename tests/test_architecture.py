@@ -273,3 +273,24 @@ def test_result_grid_fallback_reads_the_saved_state(missing, monkeypatch):
         trials = [ray_compat.result_grid_trials(Grid()) for _ in range(2)]
     assert trials == [["trial from /runs/search"]] * 2
     assert len(_compat_warnings(record)) == 1
+
+
+def test_data_execution_index_fallback_seeds_crops_by_image_alone(monkeypatch):
+    """A Ray without DataContext._execution_idx: every epoch reads as epoch 0 (one warning), and
+    a resumed run's start index is not set; decoding goes on."""
+    from ray.data import DataContext
+
+    from raytrain.data import streaming
+
+    class OldContext:  # a DataContext of a Ray that keeps no execution count
+        pass
+
+    monkeypatch.setattr(DataContext, "get_current", staticmethod(lambda: OldContext()))
+    ray_compat._warned.discard(ray_compat.DATA_EXECUTION_INDEX)
+    ctx = OldContext()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        ray_compat.set_data_execution_index(ctx, 5)
+        assert streaming._epoch_index() == 0 and streaming._epoch_index() == 0
+    assert not hasattr(ctx, "_execution_idx")
+    assert len(_compat_warnings(record)) == 1

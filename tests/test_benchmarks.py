@@ -21,6 +21,7 @@ QUICK = {
     "data_path.py": ["--quick", "--loader-workers", "0"],
     "gpu_throughput.py": ["--device", "cpu", "--quick", "--skip-run-worker"],
     "asha_replay.py": ["--quick"],
+    "folder_ingest.py": ["--quick"],
     "seed_ddp.py": ["--quick"],
 }
 # These start Ray clusters (a minute or more on 2 cores): their --quick runs when

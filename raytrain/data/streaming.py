@@ -45,7 +45,7 @@ and ``label`` int64. Training crops are torchvision's RandomResizedCrop (scale (
 (3/4, 4/3)), drawn from a generator seeded by ``(seed, epoch, row)``: reproducible given the seed;
 evaluation (and ``augment=False``) resizes the short side to ``N*256/224`` and center-crops N,
 as one PIL resize over the crop box. JPEGs are opened in PIL's draft mode (DCT scaling by 1/2,
-1/4, 1/8 while the crop stays >= N pixels): what it buys is measured in benchmarks/ingest.py.
+1/4, 1/8 while the crop stays >= N pixels): what it buys is measured in benchmarks/folder_ingest.py.
 Flip, normalise and channels_last happen on the worker device (``raytrain.data.Augment``).
 
 With ``decode_on_worker=True`` the tasks only fetch bytes and the worker decodes a batch with

@@ -2,8 +2,8 @@
 raytrain's Ray Data streaming path (decode in Ray Data tasks) vs worker-side batched
 ``torchvision.io.decode_jpeg``, on one generated folder of photo-like JPEGs.
 
-    python benchmarks/ingest.py --quick                     # smoke: 96 images, crop 32
-    python benchmarks/ingest.py --images 1500 --sizes 64,224
+    python benchmarks/folder_ingest.py --quick                     # smoke: 96 images, crop 32
+    python benchmarks/folder_ingest.py --images 1500 --sizes 64,224
 
 Rates are images/s over the last epoch (the first includes start-up); "first batch" is the
 time from building the pipeline (listing included, Ray start-up excluded) to the first batch.
