@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
+import os
 import warnings
 from typing import Any, Callable
 
@@ -121,6 +123,45 @@ def quiet_report_logs() -> None:
 
 
 # ---------------------------------------------------------------------------- driver side
+
+
+# FALLBACK. Which checkpoint directories Ray Train registered, read on the driver from the
+# run directory's checkpoint_manager_snapshot.json (Ray 2.60: train/v2/_internal/constants.py
+# CHECKPOINT_MANAGER_SNAPSHOT_FILENAME, written by execution/checkpoint/checkpoint_manager.py
+# _save_state on every registration; a re-run resumes from its latest_checkpoint_result and
+# fails to start if one it lists is gone). Rank 0 writes a checkpoint's directory before
+# report() registers it, so a Ctrl-C between the two leaves one Ray never resumes from.
+# Missing: every complete checkpoint directory counts as registered (a resume may be announced
+# from a later epoch than the workers resume from) and none is pruned.
+CHECKPOINT_SNAPSHOT = "ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"
+
+
+def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
+    """(the checkpoint directory names Ray Train references in ``run_dir``, the latest one's
+    name); (set(), None) before it registered any; None where this Ray's record is unknown."""
+    filename = _internal("ray.train.v2._internal.constants",
+                         "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
+    if filename is None:
+        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        return None
+    path = os.path.join(run_dir, filename)
+    if not os.path.exists(path):
+        return set(), None
+    try:
+        with open(path) as f:
+            snapshot = json.load(f)
+        results = [*snapshot["checkpoint_results"], *snapshot.get("pending_training_results", [])]
+        latest = snapshot["latest_checkpoint_result"]
+        names = {r["checkpoint_dir_name"] for r in results}
+        return names | ({latest["checkpoint_dir_name"]} if latest else set()), \
+            latest["checkpoint_dir_name"] if latest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        return None
+
+
+_LOST_SNAPSHOT = ("every complete checkpoint directory counts as Ray's; unregistered ones are "
+                  "not pruned")
 
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
@@ -397,6 +438,9 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
                         "Ray Train's own TorchTrainer runs, with its dataset manager, "
                         "placement-group cleaner and autoscaling requests"),
     PLACEMENT_GROUPS: (has_placement_group_table, _LOST_REAPER),
+    CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
+                                            "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
+                          _LOST_SNAPSHOT),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
     RESULT_GRID_TRIALS: (lambda: "_experiment_analysis" in getattr(
         _internal("ray.tune", "ResultGrid"), "__init__", lambda: None).__code__.co_names,

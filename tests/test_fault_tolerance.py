@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,6 +132,35 @@ def test_reused_name_with_other_config_is_refused_then_fresh_restarts(ray_cluste
     assert fit.main([*args, "--lr", "0.01", "--fresh"]) == 0
     rows = metrics(run_dir)
     assert [r["epoch"] for r in rows] == [1, 2] and rows[0].get("resumed_from") == 0
+
+
+def test_rerun_after_ctrl_c_says_where_it_resumes_and_keeps_what_it_should(ray_cluster,
+                                                                          tmp_path, capsys):
+    """A Ctrl-C between rank 0 writing checkpoint_epoch_0003 and Ray registering it leaves a
+    directory Ray never resumes from: the re-run announces the epoch the workers really
+    resume from, calls nothing a recovery, and ends with --keep-checkpoints directories."""
+    args = ["--dataset", "digits", "--lr-schedule", "constant", "--storage-path", str(tmp_path),
+            "--name", "cut", "--keep-checkpoints", "1"]
+    assert fit.main([*args, "--epochs", "2"]) == 0
+    run_dir = tmp_path / "cut"
+    assert sorted(os.listdir(run_dir / "checkpoint_epoch_0002"))  # Ray's newest
+    shutil.copytree(run_dir / "checkpoint_epoch_0002", run_dir / "checkpoint_epoch_0003")
+    capsys.readouterr()
+    assert fit.main([*args, "--epochs", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming run cut from its epoch 2 checkpoint (2 epochs to go)" in out, out
+    assert "recovered" not in out, out
+    assert [r["epoch"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
+    shutil.copytree(run_dir / "checkpoint_epoch_0004", run_dir / "checkpoint_epoch_0005")
+    from raytrain.driver.run import prune_checkpoints
+
+    prune_checkpoints(str(run_dir))  # what the driver does when a run ends, Ctrl-C or not
+    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
+
+
+def _checkpoint_dirs(run_dir) -> list[str]:
+    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
 
 
 def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):

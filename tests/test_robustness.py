@@ -90,6 +90,8 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
     assert "interrupted after epoch" in out
+    kept = [d for d in os.listdir(tmp_path / "int") if d.startswith("checkpoint_epoch_")]
+    assert 1 <= len(kept) <= 2, kept  # --keep-checkpoints' default, none Ray does not know
     alive = wait_gone(ray_procs, timeout=3)
     assert not alive, [p.cmdline()[:2] for p in alive]
 
@@ -123,12 +125,18 @@ def test_metrics_files_survive_a_full_disk(tmp_path):
 
 
 def test_latest_checkpoint_ignores_a_checkpoint_without_a_complete_state_file(tmp_path):
-    for epoch in (1, 2, 3):
+    for epoch in (1, 2, 3, 4):
         (tmp_path / f"checkpoint_epoch_{epoch:04d}").mkdir()
     torch.save({"w": torch.zeros(1000)}, tmp_path / "checkpoint_epoch_0001" / "state.pt")
     whole = (tmp_path / "checkpoint_epoch_0001" / "state.pt").read_bytes()
     (tmp_path / "checkpoint_epoch_0002" / "state.pt").write_bytes(whole[:len(whole) // 2])
-    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
+    (tmp_path / "checkpoint_epoch_0004" / "state.pt").write_bytes(whole)
+    # Ray Train's record of the checkpoints it registered (4 is not: rank 0 wrote it, then
+    # Ctrl-C came before report() registered it)
+    names = [{"checkpoint_dir_name": f"checkpoint_epoch_{e:04d}"} for e in (1, 2, 3)]
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": names, "latest_checkpoint_result": names[-1]}))
+    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty, 4: not Ray's
 
 
 # digits epochs of ~1 s here: time to fill the disk between one epoch's files and the next's.

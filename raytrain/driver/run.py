@@ -76,12 +76,38 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False)
 
 
 def latest_checkpoint_epoch(run_dir: str) -> int:
-    """The newest epoch with a complete checkpoint: a copy cut short (a killed run) has no
-    state file or a truncated one (torch.save writes a zip; its directory comes last)."""
+    """The epoch a re-run resumes after: the newest checkpoint Ray Train registered (the one
+    its workers get; rank 0 writes a checkpoint's directory before Ray registers it, and a
+    Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
+    short has no state file or a truncated one: torch.save writes a zip, its directory last)."""
+    registered = ray_compat.registered_checkpoints(run_dir)
     epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
+              and (registered is None or d in registered[0])
               and zipfile.is_zipfile(os.path.join(run_dir, d, checkpoint.STATE_FILE))]
     return max(epochs, default=0)
+
+
+def prune_checkpoints(run_dir: str) -> None:
+    """Delete the checkpoint directories Ray Train does not reference (one cut off by Ctrl-C
+    before it was registered): what is left is what --keep-checkpoints keeps."""
+    registered = ray_compat.registered_checkpoints(run_dir)
+    if registered is None or not os.path.isdir(run_dir):
+        return
+    for d in os.listdir(run_dir):
+        if d.startswith("checkpoint_epoch_") and d not in registered[0]:
+            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+
+
+def checkpoint_config(keep: int):
+    """--keep-checkpoints K for Ray Train: it keeps its num_to_keep best by the score *and* the
+    latest, so K-1 best by test_acc plus the newest are K directories at most; K=1: the newest."""
+    from ray.train import CheckpointConfig
+
+    if keep == 1:
+        return CheckpointConfig(num_to_keep=1)  # no score: ordered by report, the newest kept
+    return CheckpointConfig(num_to_keep=keep - 1, checkpoint_score_attribute="test_acc",
+                            checkpoint_score_order="max")
 
 
 # ---------------------------------------------------------------------------- training
@@ -91,7 +117,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                   driver_outlives_run: bool = False):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
     (``ray_compat.make_trainer``)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
     from raytrain.worker.ray_entry import train_loop_per_worker
@@ -106,9 +132,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                                      | ({"GPU": 1} if shape.use_gpu else {})),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints,
-                                               checkpoint_score_attribute="test_acc",
-                                               checkpoint_score_order="max"),
+            checkpoint_config=checkpoint_config(cfg.run.keep_checkpoints),
             # A finite controller limit: no failure is retried forever.
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
@@ -175,6 +199,8 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
             result = None
         except Exception as err:  # Ray raises TrainingFailedError past the failure budget
             raise TrainingError(_failed(cfg, err)) from None
+        finally:  # the controller is gone: nothing registers a checkpoint any more
+            prune_checkpoints(cfg.run_dir)
     if result is not None and result.error is not None:
         raise TrainingError(_failed(cfg, result.error))
     rows = report.read_metrics(cfg.run_dir)
