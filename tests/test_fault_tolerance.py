@@ -184,3 +184,46 @@ def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "evil.pt" in err and "refused" in err
     assert not marker.exists()
+
+
+def test_evaluate_without_dataset_says_what_is_wrong_with_the_path(tmp_path, capsys):
+    """No --dataset, no config.yaml beside the path: each failure is its own line naming the
+    path, and a training checkpoint moved out of its run directory uses its own config."""
+    import pickle
+
+    from raytrain import checkpoint, evaluate
+
+    cfg = TrainConfig.from_flat({"dataset": "digits", "model": "lenet", "num_workers": 1,
+                                 "epochs": 1, "batch_size": 64, "seed": 1})
+    states = {}
+    run_worker(cfg, Worker(0, 0, 1, torch.device("cpu")),
+               lambda m, s: states.update({"state": s, "acc": m["test_acc"]}))
+    moved = tmp_path / "moved_ckpt"
+    moved.mkdir()
+    checkpoint.save(states["state"], str(moved))
+    torch.save(states["state"]["model"], tmp_path / "model_alone.pt")
+    whole = (moved / "state.pt").read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    (tmp_path / "empty").mkdir()
+    cases = {"nope": "nope: no such file or directory",
+             "empty": "empty: not a run or checkpoint directory (no model.pt or state.pt",
+             "notes.txt": "notes.txt: cannot load checkpoint: not a file torch.save wrote",
+             "trunc.pt": "trunc.pt: cannot load checkpoint: it is truncated",
+             "model_alone.pt": "model_alone.pt: no config.yaml beside it and a plain "
+                               "state_dict carries no config: pass --dataset"}
+    for name, expected in cases.items():
+        assert evaluate.main([str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("raytrain: error: ") and expected in err, err
+    for path in (moved, moved / "state.pt"):
+        assert evaluate.main([str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"test_acc {states['acc']:.4f}" in out and "digits, lenet" in out, out
+    # A plain pickle: raytrain's refusal alone, no torch.load warning before it.
+    with open(tmp_path / "plain.pkl", "wb") as f:
+        pickle.dump({"w": {1, 2}}, f, protocol=4)
+    proc = subprocess.run([sys.executable, "-m", "raytrain.evaluate", str(tmp_path / "plain.pkl")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "plain.pkl: cannot load checkpoint: it holds Python objects" in proc.stderr
