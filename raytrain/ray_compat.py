@@ -164,6 +164,25 @@ _LOST_SNAPSHOT = ("every complete checkpoint directory counts as Ray's; unregist
                   "not pruned")
 
 
+# FALLBACK. The CPUs a new local cluster gets (ray.init without num_cpus): Ray 2.60's
+# _private/utils.py get_num_cpus (cgroup quota, else multiprocessing.cpu_count()), so the
+# driver can refuse workers that cannot fit before starting it. Missing: os.cpu_count(), never
+# fewer than Ray counts, so nothing that fits is refused (a cgroup-limited machine is then
+# refused by preflight after the cluster starts, as before).
+LOCAL_CPUS = "ray._private.utils.get_num_cpus"
+
+
+def local_cpus() -> float:
+    count = _internal("ray._private.utils", "get_num_cpus")
+    if count is None:
+        warn_once(LOCAL_CPUS, _LOST_LOCAL_CPUS)
+        return float(os.cpu_count() or 1)
+    return float(count())
+
+
+_LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
+
+
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
 # is up, beside the driver's preflight, instead of on the controller's way to the first step.
 # Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
@@ -441,6 +460,8 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
                                             "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
                           _LOST_SNAPSHOT),
+    LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
+                 _LOST_LOCAL_CPUS),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
     RESULT_GRID_TRIALS: (lambda: "_experiment_analysis" in getattr(
         _internal("ray.tune", "ResultGrid"), "__init__", lambda: None).__code__.co_names,

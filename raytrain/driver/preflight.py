@@ -9,6 +9,7 @@ and the shape of the Ray cluster a run lands on (resources, autoscaler, storage)
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -54,21 +55,61 @@ def check_storage_for_multinode(storage_path: str, nodes: list[dict[str, Any]],
 def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
     """Every check that needs more than the config's own fields, run once on the driver before
     any Ray process starts (never in workers or Tune trials, which rebuild the config). A
-    --dry-run runs them all, except loading a dataset that would be downloaded first."""
+    --dry-run runs them all, except loading a dataset that would be downloaded first and
+    the local cluster's resources. Every failing check is reported: one RaytrainError, a line
+    each."""
+    problems: list[str] = []
+
+    def attempt(check, *args, **kwargs) -> None:
+        try:
+            check(*args, **kwargs)
+        except RaytrainError as err:
+            problems.append(str(err))
+
     if cfg.model.pretrained:  # load it once here so a bad file fails before Ray starts
         from raytrain.models import build_model
 
-        build_model(cfg.model.model, NUM_CLASSES[cfg.data.dataset], cfg.model.pretrained,
-                    cfg.model.stem)
-    check_storage_writable(cfg.run.storage_path, create=False)  # created by the run
+        attempt(build_model, cfg.model.model, NUM_CLASSES[cfg.data.dataset],
+                cfg.model.pretrained, cfg.model.stem)
+    attempt(check_storage_writable, cfg.run.storage_path, create=False)  # the run creates it
     if not dry_run or cfg.data.data_dir is not None:
-        check_data(cfg)
-    ray_compat.check()
+        attempt(check_data, cfg)
+    if not dry_run:  # a plan may be for a cluster it names later
+        attempt(check_local_resources, cfg)
+    attempt(ray_compat.check)
+    if problems:
+        raise RaytrainError("\n".join(problems))
+
+
+def check_local_resources(cfg: TrainConfig) -> None:
+    """Without --address/$RAY_ADDRESS raytrain starts a local cluster of this machine's CPUs
+    (and GPUs): workers that cannot fit on it are refused before it starts. A cluster already
+    connected, or elastic MIN:MAX workers (they wait --wait-timeout), is left to preflight()."""
+    c = cfg.cluster
+    ray = sys.modules.get("ray")
+    if c.address or os.environ.get("RAY_ADDRESS") or isinstance(c.num_workers, tuple) or (
+            ray is not None and ray.is_initialized()):
+        return
+    cpus = ray_compat.local_cpus()
+    gpus = 0
+    if c.use_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    need = {"CPU": c.cpus_per_worker} | ({"GPU": 1.0} if c.use_gpu else {})
+    room = fits({"CPU": cpus, "GPU": gpus}, need)
+    if room < c.min_workers:
+        asked = " + ".join(f"{v:g} {k}" for k, v in need.items())
+        raise RaytrainError(
+            f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; "
+            f"this machine has {cpus:g} CPUs, {gpus} GPUs for the local cluster raytrain "
+            f"starts, room for {room}. Lower --num-workers/--cpus-per-worker"
+            + (", drop --use-gpu" if c.use_gpu else "") + ", or pass --address of a cluster")
 
 
 def check_storage_writable(storage_path: str, create: bool = True) -> None:
-    """--storage-path can hold run directories. ``create=False`` (--dry-run) creates nothing:
-    it checks the nearest existing directory on the path instead."""
+    """--storage-path can hold run directories. ``create=False`` (before Ray starts, and
+    --dry-run) leaves nothing: it tries the nearest existing directory on the path instead."""
     try:
         if create:
             os.makedirs(storage_path, exist_ok=True)
@@ -76,14 +117,22 @@ def check_storage_writable(storage_path: str, create: bool = True) -> None:
             open(probe, "w").close()
             os.remove(probe)
             return
-        parent = storage_path
+        parent, child = storage_path, None
         while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
+            parent, child = os.path.dirname(parent), parent
         if not os.path.isdir(parent):
             raise NotADirectoryError(20, f"{parent} is not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied" if not _read_only_fs(parent)
                                   else "Read-only file system")
+        # os.access trusts root everywhere (/proc, /sys): try it, and leave nothing behind
+        if child is not None:
+            os.mkdir(child)
+            os.rmdir(child)
+        else:
+            probe = os.path.join(parent, f".raytrain-write-test-{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
     except OSError as err:
         raise RaytrainError(f"--storage-path {storage_path}: not writable "
                             f"({err.strerror})") from None

@@ -46,32 +46,51 @@ class Summary:
 # ---------------------------------------------------------------------------- run dir
 
 
+def saved_epochs(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
+    """The epoch the run directory's checkpoints reach (0: a new run, or --fresh). A run
+    directory holding a different config is refused unless --resume or --fresh. Reads only:
+    it runs before any Ray process starts."""
+    saved_path = os.path.join(cfg.run_dir, "config.yaml")
+    if fresh or not os.path.exists(saved_path):
+        return 0
+    with open(saved_path) as f:
+        saved = yaml.safe_load(f) or {}
+    changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
+                     if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
+                     and saved.get(k) != v)
+    if changed and not resume:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
+        raise RaytrainError(f"--name {cfg.run.name}: {cfg.run_dir} holds a run with another "
+                            f"config ({diff}); pass --resume to continue it with these "
+                            "settings, --fresh to delete it and start over, or another --name")
+    return latest_checkpoint_epoch(cfg.run_dir)
+
+
+def finished(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> Summary | None:
+    """The run's Summary when it has already trained every epoch (nothing to train), else
+    None; refuses another config as ``saved_epochs`` does. Needs no cluster."""
+    done = saved_epochs(cfg, resume, fresh)
+    model_path = os.path.join(cfg.run_dir, "model.pt")
+    if done < cfg.optim.epochs or not os.path.exists(model_path):
+        return None
+    print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
+          "(--fresh starts over)", flush=True)
+    return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
+
+
 def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
     """Create or re-open the run directory; returns the epoch a resumed run restarts after.
 
     A run directory holding a different config is refused unless --resume or --fresh:
     nothing already saved is touched before that choice is explicit.
     """
-    run_dir = cfg.run_dir
-    saved_path = os.path.join(run_dir, "config.yaml")
     check_storage_writable(cfg.run.storage_path)
-    if fresh and os.path.isdir(run_dir):
-        shutil.rmtree(run_dir)
-    done = 0
-    if os.path.exists(saved_path):
-        with open(saved_path) as f:
-            saved = yaml.safe_load(f) or {}
-        changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
-                         if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
-                         and saved.get(k) != v)
-        if changed and not resume:
-            diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
-            raise RaytrainError(f"--name {cfg.run.name}: {run_dir} holds a run with another "
-                                f"config ({diff}); pass --resume to continue it with these "
-                                "settings, --fresh to delete it and start over, or another --name")
-        done = latest_checkpoint_epoch(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    files.atomic_write(saved_path, yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    done = saved_epochs(cfg, resume, fresh)
+    if fresh and os.path.isdir(cfg.run_dir):
+        shutil.rmtree(cfg.run_dir)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    files.atomic_write(os.path.join(cfg.run_dir, "config.yaml"),
+                       yaml.safe_dump(cfg.to_flat(), sort_keys=False))
     return done
 
 
@@ -181,12 +200,10 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     connected_at = time.time()
     shape = preflight(cfg)
     train_env(shape)
+    summary = finished(cfg, resume=resume, fresh=fresh)
+    if summary is not None:
+        return summary
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
-    model_path = os.path.join(cfg.run_dir, "model.pt")
-    if done >= cfg.optim.epochs and os.path.exists(model_path):
-        print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
-              "(--fresh starts over)", flush=True)
-        return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
