@@ -88,16 +88,20 @@ def load_file(path: str) -> Any:
             warnings.simplefilter("ignore", UserWarning)  # pickle: the refusal says it all
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        zipped = zipfile.is_zipfile(path)
-        if _starts_with(path, b"PK\x03\x04") and not zipped:
-            why = "it is truncated (torch.save's zip is incomplete)"
-        elif ("weights_only" in str(err) or "Unsupported global" in str(err)) and (
-                zipped or _starts_with(path, b"\x80")):  # a pickle (protocol 2+)
-            why = "it holds Python objects other than tensors (refused, nothing was run)"
-        else:
-            why = f"not a file torch.save wrote ({type(err).__name__}: {first[:80]})"
-        raise RaytrainError(f"{path}: cannot load checkpoint: {why}") from None
+        raise RaytrainError(f"{path}: cannot load checkpoint: {why_unloadable(path, err)}"
+                            ) from None
+
+
+def why_unloadable(path: str, err: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` raised ``err``, in words."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    zipped = zipfile.is_zipfile(path)
+    if _starts_with(path, b"PK\x03\x04") and not zipped:
+        return "it is truncated (torch.save's zip is incomplete)"
+    if ("weights_only" in str(err) or "Unsupported global" in str(err)) and (
+            zipped or _starts_with(path, b"\x80")):  # a pickle (protocol 2+)
+        return "it holds Python objects other than tensors (refused, nothing was run)"
+    return f"not a file torch.save wrote ({type(err).__name__}: {first[:80]})".replace(": )", ")")
 
 
 def _starts_with(path: str, magic: bytes) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -50,6 +51,8 @@ def _bad_inputs(tmp):
     bad_lr_yaml.write_text("lr: -1\n")
     not_weights = tmp / "notweights.pt"
     not_weights.write_text("hello")
+    pickled = tmp / "plain.pkl"  # a plain pickle, not torch.save's format
+    pickled.write_bytes(pickle.dumps({"w": {1, 2}}, protocol=4))
     wrong_shape = tmp / "wrong.pt"
     torch.save({"conv1.weight": torch.zeros(1)}, wrong_shape)
     readonly = tmp / "ro"  # read-only for root too: tests/helpers.read_only_dir
@@ -69,7 +72,11 @@ def _bad_inputs(tmp):
         (["--optimizer", "rmsprop"], "sgd, adamw"),
         (["--lr-schedule", "step"], "constant, cosine, onecycle"),
         (["--pretrained", str(tmp / "missing.pt")], "--pretrained"),
-        (["--pretrained", str(not_weights), "--dataset", "digits"], "--pretrained"),
+        (["--pretrained", str(not_weights), "--dataset", "digits"],
+         "--pretrained: got '%s'; expected a torch weights file (state_dict) loadable with "
+         "weights_only=True; not a file torch.save wrote (" % not_weights),
+        (["--pretrained", str(pickled), "--dataset", "digits"],
+         "it holds Python objects other than tensors (refused, nothing was run)"),
         (["--pretrained", str(wrong_shape), "--dataset", "digits"], "--pretrained"),
         (["--data-dir", str(tmp / "nodir")], "--data-dir"),
         (["--config", str(tmp / "missing.yaml")], "--config"),
@@ -149,6 +156,7 @@ def test_bad_data_dir_fails_before_any_ray_process(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and expected in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(tmp_path / "runs")
+    assert os.listdir(tmp_path / "empty") == []  # no .cifar10.lock left behind
     if not ray_was_up:  # raytrain started no Ray for it
         assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
