@@ -3,6 +3,7 @@ a storage file system that fills up (a real tmpfs), an elastic run waiting for a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,13 +150,21 @@ FULL_DISK_RUN = ["--num-workers", "2", "--dataset", "digits", "--batch-size", "3
 def _fit_on(disk, address: str, *args: str) -> tuple[list[str], subprocess.Popen]:
     cmd = [sys.executable, "-m", "raytrain.fit", "--address", address, *FULL_DISK_RUN,
            "--storage-path", str(disk), *args]
-    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Its own process group: _fails_on_full_disk can end the driver and anything it started.
+    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
 
 
 def _fails_on_full_disk(proc, disk, what: str) -> None:
     """``proc`` ends with exit 1 and exactly one line on stderr: ``what`` failed on the full
     ``disk``, the epoch 2 checkpoint is intact, how to go on; no traceback."""
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:  # a hung driver (communicate timed out) must not outlive the test
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 1, out + err
     assert err == (f"raytrain: error: {what}: [Errno 28] No space left on device "
                    f"(--storage-path {disk}); the epoch 2 checkpoint is intact; free space "
