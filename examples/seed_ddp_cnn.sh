@@ -15,6 +15,11 @@
 #   NUM_WORKERS=2 examples/seed_ddp_cnn.sh                     # CIFAR-10 (downloads on first use)
 #   NUM_WORKERS=8 examples/seed_ddp_cnn.sh --use-gpu           # 8 GPUs anywhere in the cluster
 #   examples/seed_ddp_cnn.sh --data-dir /data/cifar             # an offline CIFAR-10 copy
+#
+# The run is named seed-ddp-cnn: a re-run with other flags is refused (its run directory holds
+# another config); append --name NAME (the last --name wins) or --fresh. On digits an epoch is
+# 12 steps with 2 workers, so --log-every 100 prints only each epoch's step 0, as the seed
+# would; append --log-every 5 to see more.
 set -euo pipefail
 NUM_WORKERS=${NUM_WORKERS:-2}
 PER_WORKER_BATCH=64

@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import random
+import warnings
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -82,14 +84,29 @@ def load_file(path: str) -> Any:
     if not os.path.isfile(path):
         raise RaytrainError(f"{path}: no such checkpoint file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # its "Detected pickle protocol" note on a plain
+            warnings.simplefilter("ignore", UserWarning)  # pickle: the refusal says it all
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            why = "it holds Python objects other than tensors (refused, nothing was run)"
-        else:
-            why = f"it is truncated or not a torch file ({type(err).__name__}: {first[:80]})"
-        raise RaytrainError(f"{path}: cannot load checkpoint: {why}") from None
+        raise RaytrainError(f"{path}: cannot load checkpoint: {why_unloadable(path, err)}"
+                            ) from None
+
+
+def why_unloadable(path: str, err: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` raised ``err``, in words."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    zipped = zipfile.is_zipfile(path)
+    if _starts_with(path, b"PK\x03\x04") and not zipped:
+        return "it is truncated (torch.save's zip is incomplete)"
+    if ("weights_only" in str(err) or "Unsupported global" in str(err)) and (
+            zipped or _starts_with(path, b"\x80")):  # a pickle (protocol 2+)
+        return "it holds Python objects other than tensors (refused, nothing was run)"
+    return f"not a file torch.save wrote ({type(err).__name__}: {first[:80]})".replace(": )", ")")
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
 
 
 def load_state(directory: str) -> dict[str, Any]:
@@ -102,7 +119,11 @@ def load_state(directory: str) -> dict[str, Any]:
 
 def model_weights(path: str) -> dict[str, torch.Tensor]:
     """Model weights from a checkpoint directory, a state.pt or an exported model.pt."""
-    state = load_file(path)
+    return model_weights_of(load_file(path), path)
+
+
+def model_weights_of(state: Any, path: str) -> dict[str, torch.Tensor]:
+    """The model weights in ``state``, loaded from ``path``."""
     if isinstance(state, dict) and state.get("format") == FORMAT:
         state = state["model"]
     if not isinstance(state, dict) or not state or \

@@ -231,7 +231,7 @@ class RunSettings:
     log_every: int = _opt(0, "print the seed's loss line every N batches on rank 0 (0 = off)")
     checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
                                  "the end)")
-    keep_checkpoints: int = _opt(2, "checkpoints kept: the newest and the best by test_acc")
+    keep_checkpoints: int = _opt(2, "checkpoints kept at most: the newest and the best by test_acc")
     verbose: bool = _opt(False, "show Ray Train's own INFO logs")
 
     def __post_init__(self) -> None:

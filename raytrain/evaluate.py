@@ -18,16 +18,15 @@ from raytrain.errors import ConfigError, RaytrainError
 
 
 def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None = None,
-                  stem: str = "auto", normalize: str = "dataset", image_size: int | None = None
-                  ) -> dict[str, float]:
+                  stem: str = "auto", normalize: str = "dataset", image_size: int | None = None,
+                  weights: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     from raytrain import checkpoint
     from raytrain.data import Augment, InMemory, load_dataset
     from raytrain.worker.loop import Worker, evaluate
     from raytrain.models import build_model
 
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "model.pt")):
-        path = os.path.join(path, "model.pt")
-    weights = checkpoint.model_weights(path)
+    path = weights_file(path)
+    weights = weights if weights is not None else checkpoint.model_weights(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dataset in STREAMING:  # the val split, decoded here (no Ray), as in training
         from raytrain.data.streaming import LocalVal
@@ -66,20 +65,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
     try:
-        saved = _run_config(args.path)
+        weights, saved = read(args.path)
         dataset = args.dataset or saved.get("dataset")
         model = args.model or saved.get("model", "seed-cnn")
+        if dataset is None:
+            raise RaytrainError(f"{args.path}: no config.yaml beside it and a plain state_dict "
+                                "carries no config: pass --dataset (one of "
+                                f"{', '.join(DATASETS)}) and --model")
         if dataset not in DATASETS:
             raise ConfigError("dataset", dataset, "one of " + ", ".join(DATASETS))
         result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"),
                                saved.get("stem", "auto"), saved.get("normalize", "dataset"),
-                               saved.get("image_size"))
+                               saved.get("image_size"), weights=weights)
     except RaytrainError as err:
         print(f"raytrain: error: {err}", file=sys.stderr)
         return 2
     print(f"test_loss {result['test_loss']:.4f}  test_acc {result['test_acc']:.4f}  "
           f"({result['test_count']} images, {dataset}, {model})")
     return 0
+
+
+def weights_file(path: str) -> str:
+    """The file or checkpoint directory ``path`` names: a run directory means its model.pt."""
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "model.pt")):
+        return os.path.join(path, "model.pt")
+    return path
+
+
+def read(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the model weights at ``path``, the run's config): the config.yaml of the run it belongs
+    to, else the config a training checkpoint carries, else {} (a model.pt moved on its own).
+    Each thing that can be wrong with ``path`` is its own one line."""
+    from raytrain import checkpoint
+
+    if not os.path.exists(path):
+        raise RaytrainError(f"{path}: no such file or directory")
+    target = weights_file(path)
+    if os.path.isdir(target) and not os.path.exists(os.path.join(target, checkpoint.STATE_FILE)):
+        raise RaytrainError(f"{path}: not a run or checkpoint directory (no model.pt or "
+                            f"{checkpoint.STATE_FILE} in it)")
+    state = checkpoint.load_file(target)
+    weights = checkpoint.model_weights_of(state, target)
+    saved = _run_config(path)
+    if not saved and isinstance(state, dict) and state.get("format") == checkpoint.FORMAT:
+        saved = state.get("config") or {}
+    return weights, saved
 
 
 def _run_config(path: str) -> dict:

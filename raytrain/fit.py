@@ -34,13 +34,20 @@ def main(argv: list[str] | None = None) -> int:
             from raytrain.tune import run as run_search, print_summary
         else:
             from raytrain.driver.console import print_summary
-            from raytrain.driver.run import fit as run_search
+            from raytrain.driver.run import finished, fit as run_search
+
+            done = finished(cfg, resume=getattr(args, "resume", False),
+                            fresh=getattr(args, "fresh", False))
+            if done is not None:  # nothing to train: no cluster needed
+                print_summary(done)
+                return EXIT_OK
         summary = run(cfg, run_search, started_at, resume=getattr(args, "resume", False),
                       fresh=getattr(args, "fresh", False))
     except RaytrainError as err:
         if debug:
             raise
-        print(f"raytrain: error: {err}", file=sys.stderr, flush=True)
+        for line in str(err).splitlines():  # several failed checks: a line each
+            print(f"raytrain: error: {line}", file=sys.stderr, flush=True)
         return exit_code(err)
     except KeyboardInterrupt:
         print("raytrain: interrupted; workers stopped", file=sys.stderr)

@@ -10,6 +10,7 @@ is key-for-key and shape-for-shape torchvision's: ``torchvision.models.resnet18(
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -161,12 +162,15 @@ def head_keys(model: nn.Module) -> set[str]:
 
 def load_pretrained(model: nn.Module, path: str) -> None:
     """Load a local weights file into ``model``, keeping the model's own (fresh) head."""
+    from raytrain.checkpoint import why_unloadable
+
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's own notes before the refusal: noise
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConfigError("pretrained", path, "a torch weights file (state_dict) loadable "
-                          f"with weights_only=True; loading failed: {type(err).__name__}"
-                          ) from None
+                          f"with weights_only=True; {why_unloadable(path, err)}") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a raytrain training checkpoint
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

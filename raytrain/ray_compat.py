@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
+import os
 import warnings
 from typing import Any, Callable
 
@@ -121,6 +123,64 @@ def quiet_report_logs() -> None:
 
 
 # ---------------------------------------------------------------------------- driver side
+
+
+# FALLBACK. Which checkpoint directories Ray Train registered, read on the driver from the
+# run directory's checkpoint_manager_snapshot.json (Ray 2.60: train/v2/_internal/constants.py
+# CHECKPOINT_MANAGER_SNAPSHOT_FILENAME, written by execution/checkpoint/checkpoint_manager.py
+# _save_state on every registration; a re-run resumes from its latest_checkpoint_result and
+# fails to start if one it lists is gone). Rank 0 writes a checkpoint's directory before
+# report() registers it, so a Ctrl-C between the two leaves one Ray never resumes from.
+# Missing: every complete checkpoint directory counts as registered (a resume may be announced
+# from a later epoch than the workers resume from) and none is pruned.
+CHECKPOINT_SNAPSHOT = "ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"
+
+
+def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
+    """(the checkpoint directory names Ray Train references in ``run_dir``, the latest one's
+    name); (set(), None) before it registered any; None where this Ray's record is unknown."""
+    filename = _internal("ray.train.v2._internal.constants",
+                         "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
+    if filename is None:
+        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        return None
+    path = os.path.join(run_dir, filename)
+    if not os.path.exists(path):
+        return set(), None
+    try:
+        with open(path) as f:
+            snapshot = json.load(f)
+        results = [*snapshot["checkpoint_results"], *snapshot.get("pending_training_results", [])]
+        latest = snapshot["latest_checkpoint_result"]
+        names = {r["checkpoint_dir_name"] for r in results}
+        return names | ({latest["checkpoint_dir_name"]} if latest else set()), \
+            latest["checkpoint_dir_name"] if latest else None
+    except (OSError, ValueError, KeyError, TypeError):
+        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        return None
+
+
+_LOST_SNAPSHOT = ("every complete checkpoint directory counts as Ray's; unregistered ones are "
+                  "not pruned")
+
+
+# FALLBACK. The CPUs a new local cluster gets (ray.init without num_cpus): Ray 2.60's
+# _private/utils.py get_num_cpus (cgroup quota, else multiprocessing.cpu_count()), so the
+# driver can refuse workers that cannot fit before starting it. Missing: os.cpu_count(), never
+# fewer than Ray counts, so nothing that fits is refused (a cgroup-limited machine is then
+# refused by preflight after the cluster starts, as before).
+LOCAL_CPUS = "ray._private.utils.get_num_cpus"
+
+
+def local_cpus() -> float:
+    count = _internal("ray._private.utils", "get_num_cpus")
+    if count is None:
+        warn_once(LOCAL_CPUS, _LOST_LOCAL_CPUS)
+        return float(os.cpu_count() or 1)
+    return float(count())
+
+
+_LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
@@ -437,6 +497,11 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
                         "Ray Train's own TorchTrainer runs, with its dataset manager, "
                         "placement-group cleaner and autoscaling requests"),
     PLACEMENT_GROUPS: (has_placement_group_table, _LOST_REAPER),
+    CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
+                                            "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
+                          _LOST_SNAPSHOT),
+    LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
+                 _LOST_LOCAL_CPUS),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
     DATA_EXECUTION_INDEX: (_has_data_execution_index,
                            "streamed crops are seeded by (seed, image) alone and a resumed run "

@@ -71,10 +71,16 @@ def summary_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def best_key(row: dict[str, Any]) -> tuple[float, int]:
+    """The one order of "best" epochs: highest test_acc, the latest of equals (the one Ray
+    Train keeps: its checkpoint manager ranks a later checkpoint above an equal earlier one)."""
+    return row["test_acc"], row["epoch"]
+
+
 def accuracy_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The final and best test accuracy, then the seed scripts' own closing line."""
     final = rows[-1]
-    best = max(rows, key=lambda r: r["test_acc"])
+    best = max(rows, key=best_key)
     lines = [f"final test_acc {final['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
              f"{best['epoch']}), test_loss {final['test_loss']:.4f}"]
     if final.get("test_count"):

@@ -7,6 +7,7 @@ its Ray internal made missing.
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import warnings
 
@@ -293,4 +294,21 @@ def test_data_execution_index_fallback_seeds_crops_by_image_alone(monkeypatch):
         ray_compat.set_data_execution_index(ctx, 5)
         assert streaming._epoch_index() == 0 and streaming._epoch_index() == 0
     assert not hasattr(ctx, "_execution_idx")
+
+
+def test_checkpoint_snapshot_fallback_counts_every_complete_checkpoint(missing, tmp_path):
+    import torch
+
+    from raytrain.driver.run import latest_checkpoint_epoch, prune_checkpoints
+
+    for epoch in (1, 2):
+        (tmp_path / f"checkpoint_epoch_{epoch:04d}").mkdir()
+        torch.save({"w": torch.zeros(1)}, tmp_path / f"checkpoint_epoch_{epoch:04d}" / "state.pt")
+    assert latest_checkpoint_epoch(str(tmp_path)) == 0  # Ray registered none of them
+    missing("ray.train.v2._internal.constants")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert latest_checkpoint_epoch(str(tmp_path)) == 2
+        prune_checkpoints(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
     assert len(_compat_warnings(record)) == 1

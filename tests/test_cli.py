@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -50,6 +51,8 @@ def _bad_inputs(tmp):
     bad_lr_yaml.write_text("lr: -1\n")
     not_weights = tmp / "notweights.pt"
     not_weights.write_text("hello")
+    pickled = tmp / "plain.pkl"  # a plain pickle, not torch.save's format
+    pickled.write_bytes(pickle.dumps({"w": {1, 2}}, protocol=4))
     wrong_shape = tmp / "wrong.pt"
     torch.save({"conv1.weight": torch.zeros(1)}, wrong_shape)
     readonly = tmp / "ro"  # read-only for root too: tests/helpers.read_only_dir
@@ -69,7 +72,11 @@ def _bad_inputs(tmp):
         (["--optimizer", "rmsprop"], "sgd, adamw"),
         (["--lr-schedule", "step"], "constant, cosine, onecycle"),
         (["--pretrained", str(tmp / "missing.pt")], "--pretrained"),
-        (["--pretrained", str(not_weights), "--dataset", "digits"], "--pretrained"),
+        (["--pretrained", str(not_weights), "--dataset", "digits"],
+         "--pretrained: got '%s'; expected a torch weights file (state_dict) loadable with "
+         "weights_only=True; not a file torch.save wrote (" % not_weights),
+        (["--pretrained", str(pickled), "--dataset", "digits"],
+         "it holds Python objects other than tensors (refused, nothing was run)"),
         (["--pretrained", str(wrong_shape), "--dataset", "digits"], "--pretrained"),
         (["--data-dir", str(tmp / "nodir")], "--data-dir"),
         (["--config", str(tmp / "missing.yaml")], "--config"),
@@ -149,5 +156,42 @@ def test_bad_data_dir_fails_before_any_ray_process(tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and expected in err and len(err.strip().splitlines()) == 1, err
     assert not os.path.exists(tmp_path / "runs")
+    assert os.listdir(tmp_path / "empty") == []  # no .cifar10.lock left behind
     if not ray_was_up:  # raytrain started no Ray for it
         assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+# Nothing listens on port 9: a command that tried to reach the cluster would fail on --address.
+NOWHERE = ["--address", "127.0.0.1:9"]
+UNWRITABLE = "/proc/raytrain-runs"  # /proc takes no new directories, from root either
+
+
+def _fit_process(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "raytrain.fit", *argv], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "RAY_ADDRESS": ""})
+
+
+def test_several_failing_checks_are_each_a_line_before_any_ray_process(tmp_path):
+    (tmp_path / "c10" / "cifar-10-batches-py").mkdir(parents=True)  # no batches in it
+    too_many = str((os.cpu_count() or 1) + 1)  # more than a local cluster of this machine has
+    proc = _fit_process("--num-workers", too_many, "--dataset", "cifar10", "--data-dir",
+                        str(tmp_path / "c10"), "--storage-path", UNWRITABLE)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 3, proc.stderr
+    assert all(ln.startswith("raytrain: error: ") for ln in lines), lines
+    assert [ln.split()[2] for ln in lines] == ["--storage-path", "--data-dir:", "--num-workers"]
+    assert "Ray dashboard" not in proc.stdout  # no cluster was started
+
+
+def test_finished_run_and_unwritable_storage_are_answered_without_a_cluster(ray_cluster,
+                                                                           tmp_path):
+    args = ["--dataset", "digits", "--epochs", "1", "--storage-path", str(tmp_path),
+            "--name", "done"]
+    assert fit.main(args) == 0
+    proc = _fit_process(*args, *NOWHERE)
+    assert proc.returncode == 0, proc.stderr
+    assert "run done already finished all 1 epochs; nothing to train" in proc.stdout
+    proc = _fit_process("--dataset", "digits", "--storage-path", UNWRITABLE, *NOWHERE)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"raytrain: error: --storage-path {UNWRITABLE}: not writable (No such file or "
+        "directory)"), proc.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,6 +134,35 @@ def test_reused_name_with_other_config_is_refused_then_fresh_restarts(ray_cluste
     assert [r["epoch"] for r in rows] == [1, 2] and rows[0].get("resumed_from") == 0
 
 
+def test_rerun_after_ctrl_c_says_where_it_resumes_and_keeps_what_it_should(ray_cluster,
+                                                                          tmp_path, capsys):
+    """A Ctrl-C between rank 0 writing checkpoint_epoch_0003 and Ray registering it leaves a
+    directory Ray never resumes from: the re-run announces the epoch the workers really
+    resume from, calls nothing a recovery, and ends with --keep-checkpoints directories."""
+    args = ["--dataset", "digits", "--lr-schedule", "constant", "--storage-path", str(tmp_path),
+            "--name", "cut", "--keep-checkpoints", "1"]
+    assert fit.main([*args, "--epochs", "2"]) == 0
+    run_dir = tmp_path / "cut"
+    assert sorted(os.listdir(run_dir / "checkpoint_epoch_0002"))  # Ray's newest
+    shutil.copytree(run_dir / "checkpoint_epoch_0002", run_dir / "checkpoint_epoch_0003")
+    capsys.readouterr()
+    assert fit.main([*args, "--epochs", "4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resuming run cut from its epoch 2 checkpoint (2 epochs to go)" in out, out
+    assert "recovered" not in out, out
+    assert [r["epoch"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
+    shutil.copytree(run_dir / "checkpoint_epoch_0004", run_dir / "checkpoint_epoch_0005")
+    from raytrain.driver.run import prune_checkpoints
+
+    prune_checkpoints(str(run_dir))  # what the driver does when a run ends, Ctrl-C or not
+    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
+
+
+def _checkpoint_dirs(run_dir) -> list[str]:
+    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
+
+
 def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):
     from raytrain import evaluate
 
@@ -154,3 +184,46 @@ def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "evil.pt" in err and "refused" in err
     assert not marker.exists()
+
+
+def test_evaluate_without_dataset_says_what_is_wrong_with_the_path(tmp_path, capsys):
+    """No --dataset, no config.yaml beside the path: each failure is its own line naming the
+    path, and a training checkpoint moved out of its run directory uses its own config."""
+    import pickle
+
+    from raytrain import checkpoint, evaluate
+
+    cfg = TrainConfig.from_flat({"dataset": "digits", "model": "lenet", "num_workers": 1,
+                                 "epochs": 1, "batch_size": 64, "seed": 1})
+    states = {}
+    run_worker(cfg, Worker(0, 0, 1, torch.device("cpu")),
+               lambda m, s: states.update({"state": s, "acc": m["test_acc"]}))
+    moved = tmp_path / "moved_ckpt"
+    moved.mkdir()
+    checkpoint.save(states["state"], str(moved))
+    torch.save(states["state"]["model"], tmp_path / "model_alone.pt")
+    whole = (moved / "state.pt").read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "notes.txt").write_text("not a checkpoint\n")
+    (tmp_path / "empty").mkdir()
+    cases = {"nope": "nope: no such file or directory",
+             "empty": "empty: not a run or checkpoint directory (no model.pt or state.pt",
+             "notes.txt": "notes.txt: cannot load checkpoint: not a file torch.save wrote",
+             "trunc.pt": "trunc.pt: cannot load checkpoint: it is truncated",
+             "model_alone.pt": "model_alone.pt: no config.yaml beside it and a plain "
+                               "state_dict carries no config: pass --dataset"}
+    for name, expected in cases.items():
+        assert evaluate.main([str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("raytrain: error: ") and expected in err, err
+    for path in (moved, moved / "state.pt"):
+        assert evaluate.main([str(path)]) == 0
+        out = capsys.readouterr().out
+        assert f"test_acc {states['acc']:.4f}" in out and "digits, lenet" in out, out
+    # A plain pickle: raytrain's refusal alone, no torch.load warning before it.
+    with open(tmp_path / "plain.pkl", "wb") as f:
+        pickle.dump({"w": {1, 2}}, f, protocol=4)
+    proc = subprocess.run([sys.executable, "-m", "raytrain.evaluate", str(tmp_path / "plain.pkl")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "plain.pkl: cannot load checkpoint: it holds Python objects" in proc.stderr

@@ -122,7 +122,7 @@ def test_report_prints_the_summary_and_redraws_the_plot(adamw_run):
     proc = subprocess.run([sys.executable, "-m", "raytrain.report", str(run_dir)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    best = max(rows, key=lambda r: r["test_acc"])
+    best = max(rows, key=lambda r: (r["test_acc"], r["epoch"]))  # the latest of equals
     assert (f"final test_acc {rows[-1]['test_acc']:.4f} (best {best['test_acc']:.4f} at epoch "
             f"{best['epoch']})") in proc.stdout
     assert (f"Accuracy of the network on {rows[-1]['test_count']} test images: "

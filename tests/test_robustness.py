@@ -3,6 +3,7 @@ a storage file system that fills up (a real tmpfs), an elastic run waiting for a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -90,6 +91,8 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 130, out
     assert "interrupted after epoch" in out
+    kept = [d for d in os.listdir(tmp_path / "int") if d.startswith("checkpoint_epoch_")]
+    assert 1 <= len(kept) <= 2, kept  # --keep-checkpoints' default, none Ray does not know
     alive = wait_gone(ray_procs, timeout=3)
     assert not alive, [p.cmdline()[:2] for p in alive]
 
@@ -123,12 +126,18 @@ def test_metrics_files_survive_a_full_disk(tmp_path):
 
 
 def test_latest_checkpoint_ignores_a_checkpoint_without_a_complete_state_file(tmp_path):
-    for epoch in (1, 2, 3):
+    for epoch in (1, 2, 3, 4):
         (tmp_path / f"checkpoint_epoch_{epoch:04d}").mkdir()
     torch.save({"w": torch.zeros(1000)}, tmp_path / "checkpoint_epoch_0001" / "state.pt")
     whole = (tmp_path / "checkpoint_epoch_0001" / "state.pt").read_bytes()
     (tmp_path / "checkpoint_epoch_0002" / "state.pt").write_bytes(whole[:len(whole) // 2])
-    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty
+    (tmp_path / "checkpoint_epoch_0004" / "state.pt").write_bytes(whole)
+    # Ray Train's record of the checkpoints it registered (4 is not: rank 0 wrote it, then
+    # Ctrl-C came before report() registered it)
+    names = [{"checkpoint_dir_name": f"checkpoint_epoch_{e:04d}"} for e in (1, 2, 3)]
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+        {"checkpoint_results": names, "latest_checkpoint_result": names[-1]}))
+    assert latest_checkpoint_epoch(str(tmp_path)) == 1  # 2: cut short, 3: empty, 4: not Ray's
 
 
 # digits epochs of ~1 s here: time to fill the disk between one epoch's files and the next's.
@@ -141,13 +150,21 @@ FULL_DISK_RUN = ["--num-workers", "2", "--dataset", "digits", "--batch-size", "3
 def _fit_on(disk, address: str, *args: str) -> tuple[list[str], subprocess.Popen]:
     cmd = [sys.executable, "-m", "raytrain.fit", "--address", address, *FULL_DISK_RUN,
            "--storage-path", str(disk), *args]
-    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Its own process group: _fails_on_full_disk can end the driver and anything it started.
+    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
 
 
 def _fails_on_full_disk(proc, disk, what: str) -> None:
     """``proc`` ends with exit 1 and exactly one line on stderr: ``what`` failed on the full
     ``disk``, the epoch 2 checkpoint is intact, how to go on; no traceback."""
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:  # a hung driver (communicate timed out) must not outlive the test
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 1, out + err
     assert err == (f"raytrain: error: {what}: [Errno 28] No space left on device "
                    f"(--storage-path {disk}); the epoch 2 checkpoint is intact; free space "

@@ -3,6 +3,8 @@ fails alone, the search resumes; settings and PBT's optimizer re-targeting witho
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import time
 
@@ -47,14 +49,16 @@ def _held_after_cleanup(wait_s=15):
 @pytest.fixture(scope="module")
 def asha(ray_cluster, tmp_path_factory):
     storage = tmp_path_factory.mktemp("tune")
-    started = time.monotonic()
-    rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--grace-period", "1",
-                 "--reduction-factor", "2")
-    return rc, storage, time.monotonic() - started
+    started, out = time.monotonic(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--grace-period",
+                     "1", "--reduction-factor", "2")
+    print(out.getvalue())
+    return rc, storage, time.monotonic() - started, out.getvalue()
 
 
 def test_asha_search_stops_weak_trials_and_writes_results(asha, capsys):
-    rc, storage, _ = asha
+    rc, storage, _, _ = asha
     assert rc == 0
     rows = _results(storage / "asha")
     assert len(rows) == 4
@@ -73,12 +77,59 @@ def test_asha_search_stops_weak_trials_and_writes_results(asha, capsys):
 
 
 def test_asha_best_trial_checkpoint_and_weights(asha):
-    _, storage, _ = asha
+    _, storage, _, _ = asha
     rows = _results(storage / "asha")
     best = max(rows.values(), key=lambda r: float(r["best_test_acc"]))
     assert best["checkpoint"].startswith(str(storage / "asha" / "trials" / best["trial_id"]))
     assert os.path.exists(os.path.join(best["checkpoint"], "state.pt"))
     SeedCNN(10).load_state_dict(torch.load(storage / "asha" / "model.pt", weights_only=True))
+
+
+def test_asha_console_plot_and_records_say_only_what_happened(asha):
+    """Tune's own boxed table and TensorBoard hint stay off the console (--verbose shows them);
+    no trial that completed or was stopped is recorded as failed; tune.png's legend has no
+    "failed" when none failed and its epoch axis is in whole epochs."""
+    from raytrain.tune import results
+
+    rc, storage, _, out = asha
+    assert rc == 0
+    assert "Configuration for experiment" not in out and "tensorboard --logdir" not in out, out
+    exp_dir = storage / "asha"
+    rows = _results(exp_dir)
+    for trial_id, r in rows.items():
+        events = exp_dir / "trials" / trial_id / "events.jsonl"
+        recorded = read_jsonl(events) if events.exists() else []
+        assert not [e for e in recorded if e["event"] == "trial_failed"], (r["status"], recorded)
+        assert r["checkpoint"].endswith(f"checkpoint_epoch_{int(r['best_epoch']):04d}"), r
+    typed = [{**r, "lr": float(r["lr"]), "batch_size": int(r["batch_size"]),
+              "best_test_acc": float(r["best_test_acc"])} for r in rows.values()]
+    fig = results.figure(str(exp_dir), typed)
+    ax_curve, ax_lr = fig.axes[:2]
+    assert "failed" not in [t.get_text() for t in ax_lr.get_legend().get_texts()]
+    ticks = [t for t in ax_curve.get_xticks() if 1 <= t <= 4]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_best_epoch_and_best_checkpoint_break_ties_alike(tmp_path):
+    """Equal test_acc at epochs 2 and 3: the summary, results.csv's best_epoch and its
+    checkpoint all name epoch 3, the one Ray Train keeps."""
+    import pandas as pd
+
+    from raytrain import report
+    from raytrain.tune import results
+
+    paths = []
+    for epoch in (1, 2, 3):
+        path = tmp_path / f"checkpoint_epoch_{epoch:04d}"
+        path.mkdir()
+        torch.save({"w": torch.zeros(1)}, path / "state.pt")
+        paths.append(str(path))
+    rows = [{"epoch": e, "test_acc": a, "test_loss": 1.0} for e, a in ((1, 0.5), (2, 0.9),
+                                                                         (3, 0.9))]
+    reports = pd.DataFrame({"epoch": [1, 2, 3], "test_acc": [0.5, 0.9, 0.9],
+                            "checkpoint_path": paths})
+    assert results.best_checkpoint(reports) == paths[2]
+    assert "(best 0.9000 at epoch 3)" in report.accuracy_lines(rows)[0]
 
 
 def test_stopped_trials_give_their_cpus_back(asha):
@@ -119,7 +170,7 @@ def test_the_reaper_finds_a_group_its_dead_controller_never_finished_starting(ra
 
 
 def test_rerunning_the_command_resumes_the_finished_search(asha, capsys):
-    _, storage, _ = asha
+    _, storage, _, _ = asha
     before = _results(storage / "asha")
     capsys.readouterr()
     rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--grace-period", "1",
@@ -134,7 +185,7 @@ def test_rerunning_the_command_resumes_the_finished_search(asha, capsys):
 
 
 def test_a_changed_search_in_the_same_directory_is_refused(asha, capsys):
-    _, storage, _ = asha
+    _, storage, _, _ = asha
     rc = _search(storage, "asha", "--num-samples", "4", "--epochs", "4", "--lr-range", "0.1:1")
     assert rc == 2
     assert "--resume" in capsys.readouterr().err

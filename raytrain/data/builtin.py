@@ -128,16 +128,26 @@ def _download(base, root: str, name: str, explicit_dir: bool) -> None:
     """Download once per node: a file lock keeps workers on one machine from racing."""
     from filelock import FileLock
 
+    lock = os.path.join(root, f".{name}.lock")
     try:
         os.makedirs(root, exist_ok=True)
-        with FileLock(os.path.join(root, f".{name}.lock")):
+        with FileLock(lock):
             base(root, train=True, download=True)
+        _remove(lock)  # empty; a worker still waiting on it has it open and goes on
     except Exception as err:
+        _remove(lock)
         hint = f"--data-dir {root} holds no {base.base_folder}/" if explicit_dir else \
             f"no copy in {root}"
         raise RaytrainError(f"--dataset {name}: {hint} and the download failed "
                             f"({type(err).__name__}); put an extracted {base.base_folder}/ "
                             f"under a directory and pass it as --data-dir") from None
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 # ---------------------------------------------------------------------------- sharding

@@ -115,6 +115,7 @@ class EpochPrinter(Poller):
         self.seen = {_row_key(r) for r in read_metrics(run_dir)}
         self.events = len(files.read_jsonl(os.path.join(run_dir, EVENTS_FILE)))
         self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA
+        self.failed = False  # a worker failed since the last epoch printed: the next restarts
 
     def poll(self) -> None:
         try:
@@ -130,14 +131,19 @@ class EpochPrinter(Poller):
                       f"{event['image']} (epoch {event['epoch']})", file=self.out, flush=True)
             elif event["event"] == "worker_failure":
                 print(f"worker failure: {event['error']}", file=self.out, flush=True)
+                self.failed = True
         self.events = len(events)
         for m in rows:
             if _row_key(m) in self.seen:
                 continue
             self.seen.add(_row_key(m))
-            if m.get("resumed_from"):
-                print(f"recovered: resumed from the epoch {m['resumed_from']} checkpoint",
-                      file=self.out, flush=True)
+            # The first epoch of every worker group says where it started; only one after a
+            # failure is a recovery (a re-run's first says so before the run: driver/run.py).
+            if self.failed and "resumed_from" in m:
+                self.failed = False
+                print(f"recovered: resumed from the epoch {m['resumed_from']} checkpoint"
+                      if m["resumed_from"] else "recovered: restarted from epoch 1 (no "
+                      "checkpoint yet)", file=self.out, flush=True)
             self.printed.append((time.monotonic(), m["epoch"]))
             (t0, e0), (t1, e1) = self.printed[0], self.printed[-1]
             eta = (t1 - t0) / (e1 - e0) * (self.epochs - e1) if e1 > e0 else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -55,36 +56,95 @@ def check_storage_for_multinode(storage_path: str, nodes: list[dict[str, Any]],
 def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
     """Every check that needs more than the config's own fields, run once on the driver before
     any Ray process starts (never in workers or Tune trials, which rebuild the config). A
-    --dry-run runs them all, except loading a dataset that would be downloaded first."""
-    from raytrain.models import build_model, check_input_size
+    --dry-run runs them all, except loading a dataset that would be downloaded first and
+    the local cluster's resources. Every failing check is reported: one RaytrainError, a line
+    each."""
+    problems: list[str] = []
+
+    def attempt(check, *args, **kwargs) -> None:
+        try:
+            check(*args, **kwargs)
+        except RaytrainError as err:
+            problems.append(str(err))
 
     d = cfg.data
     num_classes = NUM_CLASSES.get(d.dataset)
     if d.streaming:  # list the images now (cached for the run): a bad layout fails here
-        from raytrain.data.streaming import list_dataset
+        try:
+            num_classes = check_streamed_data(cfg)
+        except RaytrainError as err:
+            problems.append(str(err))
+            num_classes = None
+    if cfg.model.pretrained and num_classes:  # loaded once here: a bad file fails before Ray
+        from raytrain.models import build_model
 
-        listing = list_dataset(d.dataset, d.data_dir)
-        num_classes, n_train = len(listing.class_names), listing.counts["train"]
-        workers = cfg.cluster.max_workers
-        key, sizes = (("batch_sizes", cfg.tune.batch_size_choices()) if cfg.tune.tune else
-                      ("batch_size", [cfg.optim.batch_size]))
-        if n_train // workers < max(sizes) // workers:
-            raise ConfigError(key, ",".join(map(str, sizes)), f"at most {n_train // workers * workers} "
-                              f"(the {n_train} training images in {d.data_dir} over "
-                              f"{workers} worker(s) would not fill one batch)")
-        check_input_size(cfg.model.model, num_classes, cfg.model.stem, d.image_size)
-    if cfg.model.pretrained:  # load it once here so a bad file fails before Ray starts
-        build_model(cfg.model.model, num_classes, cfg.model.pretrained, cfg.model.stem,
-                    d.image_size)
-    check_storage_writable(cfg.run.storage_path, create=False)  # created by the run
-    if not dry_run or d.data_dir is not None:
-        check_data(cfg)
-    ray_compat.check()
+        attempt(build_model, cfg.model.model, num_classes, cfg.model.pretrained,
+                cfg.model.stem, d.image_size)
+    attempt(check_storage_writable, cfg.run.storage_path, create=False)  # the run creates it
+    if not dry_run or cfg.data.data_dir is not None:
+        attempt(check_data, cfg)
+    if not dry_run:  # a plan may be for a cluster it names later
+        attempt(check_local_resources, cfg)
+    attempt(ray_compat.check)
+    if problems:
+        raise RaytrainError("\n".join(problems))
+
+
+def check_local_resources(cfg: TrainConfig) -> None:
+    """Without --address/$RAY_ADDRESS raytrain starts a local cluster of this machine's CPUs
+    (and GPUs): workers that cannot fit on it are refused before it starts. A cluster already
+    connected, or elastic MIN:MAX workers (they wait --wait-timeout), is left to preflight()."""
+    c = cfg.cluster
+    ray = sys.modules.get("ray")
+    if c.address or os.environ.get("RAY_ADDRESS") or isinstance(c.num_workers, tuple) or (
+            ray is not None and ray.is_initialized()):
+        return
+    cpus = ray_compat.local_cpus()
+    gpus = 0
+    if c.use_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    if cfg.data.streaming:  # workers and Ray Data's CPUs as preflight() will size them
+        import copy
+
+        trial = copy.deepcopy(cfg)
+        size_data_cpus(trial, cpus)
+        c = trial.cluster
+    need = {"CPU": c.worker_cpus} | ({"GPU": 1.0} if c.use_gpu else {})
+    room = fits({"CPU": cpus, "GPU": gpus}, need)
+    if room < c.min_workers:
+        asked = " + ".join(f"{v:g} {k}" for k, v in need.items())
+        raise RaytrainError(
+            f"--num-workers {c.min_workers} needs {c.min_workers} x ({asked}) per worker; "
+            f"this machine has {cpus:g} CPUs, {gpus} GPUs for the local cluster raytrain "
+            f"starts, room for {room}. Lower --num-workers/--cpus-per-worker"
+            + (", drop --use-gpu" if c.use_gpu else "") + ", or pass --address of a cluster")
+
+
+def check_streamed_data(cfg: TrainConfig) -> int:
+    """Your own images: list them (cached for the run), check the batch fills and the model
+    takes the size. Returns the number of classes."""
+    from raytrain.data.streaming import list_dataset
+    from raytrain.models import check_input_size
+
+    d = cfg.data
+    listing = list_dataset(d.dataset, d.data_dir)
+    num_classes, n_train = len(listing.class_names), listing.counts["train"]
+    workers = cfg.cluster.max_workers
+    key, sizes = (("batch_sizes", cfg.tune.batch_size_choices()) if cfg.tune.tune else
+                  ("batch_size", [cfg.optim.batch_size]))
+    if n_train // workers < max(sizes) // workers:
+        raise ConfigError(key, ",".join(map(str, sizes)), f"at most "
+                          f"{n_train // workers * workers} (the {n_train} training images in "
+                          f"{d.data_dir} over {workers} worker(s) would not fill one batch)")
+    check_input_size(cfg.model.model, num_classes, cfg.model.stem, d.image_size)
+    return num_classes
 
 
 def check_storage_writable(storage_path: str, create: bool = True) -> None:
-    """--storage-path can hold run directories. ``create=False`` (--dry-run) creates nothing:
-    it checks the nearest existing directory on the path instead."""
+    """--storage-path can hold run directories. ``create=False`` (before Ray starts, and
+    --dry-run) leaves nothing: it tries the nearest existing directory on the path instead."""
     try:
         if create:
             os.makedirs(storage_path, exist_ok=True)
@@ -92,14 +152,22 @@ def check_storage_writable(storage_path: str, create: bool = True) -> None:
             open(probe, "w").close()
             os.remove(probe)
             return
-        parent = storage_path
+        parent, child = storage_path, None
         while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
+            parent, child = os.path.dirname(parent), parent
         if not os.path.isdir(parent):
             raise NotADirectoryError(20, f"{parent} is not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied" if not _read_only_fs(parent)
                                   else "Read-only file system")
+        # os.access trusts root everywhere (/proc, /sys): try it, and leave nothing behind
+        if child is not None:
+            os.mkdir(child)
+            os.rmdir(child)
+        else:
+            probe = os.path.join(parent, f".raytrain-write-test-{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
     except OSError as err:
         raise RaytrainError(f"--storage-path {storage_path}: not writable "
                             f"({err.strerror})") from None

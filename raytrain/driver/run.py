@@ -49,42 +49,87 @@ class Summary:
 # ---------------------------------------------------------------------------- run dir
 
 
+def saved_epochs(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
+    """The epoch the run directory's checkpoints reach (0: a new run, or --fresh). A run
+    directory holding a different config is refused unless --resume or --fresh. Reads only:
+    it runs before any Ray process starts."""
+    saved_path = os.path.join(cfg.run_dir, "config.yaml")
+    if fresh or not os.path.exists(saved_path):
+        return 0
+    with open(saved_path) as f:
+        saved = yaml.safe_load(f) or {}
+    changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
+                     if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
+                     and saved.get(k) != v)
+    if changed and not resume:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
+        raise RaytrainError(f"--name {cfg.run.name}: {cfg.run_dir} holds a run with another "
+                            f"config ({diff}); pass --resume to continue it with these "
+                            "settings, --fresh to delete it and start over, or another --name")
+    return latest_checkpoint_epoch(cfg.run_dir)
+
+
+def finished(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> Summary | None:
+    """The run's Summary when it has already trained every epoch (nothing to train), else
+    None; refuses another config as ``saved_epochs`` does. Needs no cluster."""
+    done = saved_epochs(cfg, resume, fresh)
+    model_path = os.path.join(cfg.run_dir, "model.pt")
+    if done < cfg.optim.epochs or not os.path.exists(model_path):
+        return None
+    print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
+          "(--fresh starts over)", flush=True)
+    return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
+
+
 def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
     """Create or re-open the run directory; returns the epoch a resumed run restarts after.
 
     A run directory holding a different config is refused unless --resume or --fresh:
     nothing already saved is touched before that choice is explicit.
     """
-    run_dir = cfg.run_dir
-    saved_path = os.path.join(run_dir, "config.yaml")
     check_storage_writable(cfg.run.storage_path)
-    if fresh and os.path.isdir(run_dir):
-        shutil.rmtree(run_dir)
-    done = 0
-    if os.path.exists(saved_path):
-        with open(saved_path) as f:
-            saved = yaml.safe_load(f) or {}
-        changed = sorted(k for k, v in cfg.to_flat().items()  # search settings don't train
-                         if k not in NOT_TRAINING and FIELDS[k][0] != "tune"
-                         and saved.get(k) != v)
-        if changed and not resume:
-            diff = ", ".join(f"{k}: {saved.get(k)!r} -> {cfg.to_flat()[k]!r}" for k in changed)
-            raise RaytrainError(f"--name {cfg.run.name}: {run_dir} holds a run with another "
-                                f"config ({diff}); pass --resume to continue it with these "
-                                "settings, --fresh to delete it and start over, or another --name")
-        done = latest_checkpoint_epoch(run_dir)
-    os.makedirs(run_dir, exist_ok=True)
-    files.atomic_write(saved_path, yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    done = saved_epochs(cfg, resume, fresh)
+    if fresh and os.path.isdir(cfg.run_dir):
+        shutil.rmtree(cfg.run_dir)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    files.atomic_write(os.path.join(cfg.run_dir, "config.yaml"),
+                       yaml.safe_dump(cfg.to_flat(), sort_keys=False))
     return done
 
 
 def latest_checkpoint_epoch(run_dir: str) -> int:
-    """The newest epoch with a complete checkpoint: a copy cut short (a killed run) has no
-    state file or a truncated one (torch.save writes a zip; its directory comes last)."""
+    """The epoch a re-run resumes after: the newest checkpoint Ray Train registered (the one
+    its workers get; rank 0 writes a checkpoint's directory before Ray registers it, and a
+    Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
+    short has no state file or a truncated one: torch.save writes a zip, its directory last)."""
+    registered = ray_compat.registered_checkpoints(run_dir)
     epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
+              and (registered is None or d in registered[0])
               and zipfile.is_zipfile(os.path.join(run_dir, d, checkpoint.STATE_FILE))]
     return max(epochs, default=0)
+
+
+def prune_checkpoints(run_dir: str) -> None:
+    """Delete the checkpoint directories Ray Train does not reference (one cut off by Ctrl-C
+    before it was registered): what is left is what --keep-checkpoints keeps."""
+    registered = ray_compat.registered_checkpoints(run_dir)
+    if registered is None or not os.path.isdir(run_dir):
+        return
+    for d in os.listdir(run_dir):
+        if d.startswith("checkpoint_epoch_") and d not in registered[0]:
+            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+
+
+def checkpoint_config(keep: int):
+    """--keep-checkpoints K for Ray Train: it keeps its num_to_keep best by the score *and* the
+    latest, so K-1 best by test_acc plus the newest are K directories at most; K=1: the newest."""
+    from ray.train import CheckpointConfig
+
+    if keep == 1:
+        return CheckpointConfig(num_to_keep=1)  # no score: ordered by report, the newest kept
+    return CheckpointConfig(num_to_keep=keep - 1, checkpoint_score_attribute="test_acc",
+                            checkpoint_score_order="max")
 
 
 # ---------------------------------------------------------------------------- training
@@ -94,7 +139,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                   driver_outlives_run: bool = False):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
     (``ray_compat.make_trainer``)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
     from raytrain.worker.ray_entry import train_loop_per_worker
@@ -109,9 +154,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
                                      | ({"GPU": 1} if shape.use_gpu else {})),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints,
-                                               checkpoint_score_attribute="test_acc",
-                                               checkpoint_score_order="max"),
+            checkpoint_config=checkpoint_config(cfg.run.keep_checkpoints),
             # A finite controller limit: no failure is retried forever.
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
@@ -184,12 +227,10 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     connected_at = time.time()
     shape = preflight(cfg)
     train_env(shape)
+    summary = finished(cfg, resume=resume, fresh=fresh)
+    if summary is not None:
+        return summary
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
-    model_path = os.path.join(cfg.run_dir, "model.pt")
-    if done >= cfg.optim.epochs and os.path.exists(model_path):
-        print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
-              "(--fresh starts over)", flush=True)
-        return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
@@ -202,6 +243,8 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
             result = None
         except Exception as err:  # Ray raises TrainingFailedError past the failure budget
             raise TrainingError(_failed(cfg, err)) from None
+        finally:  # the controller is gone: nothing registers a checkpoint any more
+            prune_checkpoints(cfg.run_dir)
     if result is not None and result.error is not None:
         raise TrainingError(_failed(cfg, result.error))
     rows = report.read_metrics(cfg.run_dir)

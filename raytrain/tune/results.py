@@ -101,9 +101,8 @@ def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, An
         status = "stopped"
     else:
         status = tune_status.lower()  # pending / running / paused: an interrupted search
-    accs = [(r["test_acc"], r["epoch"]) for r in rows
-            if isinstance(r.get("test_acc"), float) and math.isfinite(r["test_acc"])]
-    best_acc, best_epoch = max(accs, default=("", ""))
+    best_acc, best_epoch = max((report.best_key(r) for r in rows if isinstance(
+        r.get("test_acc"), float) and math.isfinite(r["test_acc"])), default=("", ""))
     starts = files.read_jsonl(os.path.join(trial_dir, "starts.jsonl"))
     return {
         "trial_id": trial.trial_id, "lr": float(trial.config["lr"]),
@@ -133,14 +132,13 @@ def trial_error(trial_id: str, exp_dir: str | None, err: BaseException | None = 
 
 
 def best_checkpoint(reports) -> str:
-    """The reported checkpoint with the best test_acc that is still on disk."""
+    """The reported checkpoint of the best epoch (``report.best_key``) still on disk."""
     if reports is None or "checkpoint_path" not in reports or METRIC not in reports:
         return ""
-    rows = reports.dropna(subset=["checkpoint_path", METRIC]).sort_values(
-        METRIC, ascending=False, kind="stable")
-    for path in rows["checkpoint_path"]:
-        if os.path.exists(os.path.join(path, checkpoint.STATE_FILE)):
-            return path
+    rows = reports.dropna(subset=["checkpoint_path", METRIC]).to_dict("records")
+    for row in sorted(rows, key=report.best_key, reverse=True):
+        if os.path.exists(os.path.join(row["checkpoint_path"], checkpoint.STATE_FILE)):
+            return row["checkpoint_path"]
     return ""
 
 
@@ -156,10 +154,16 @@ def plot(exp_dir: str, rows: list[dict[str, Any]]) -> str | None:
     """tune.png: test accuracy vs epoch per trial; lr vs best test accuracy."""
     if not rows:
         return None
+    return report.save_figure(figure(exp_dir, rows), exp_dir, "tune.png")
+
+
+def figure(exp_dir: str, rows: list[dict[str, Any]]):
+    """The matplotlib figure of tune.png."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_curve, ax_lr) = plt.subplots(1, 2, figsize=(12, 4.5))
     sizes = sorted({r["batch_size"] for r in rows})
@@ -174,16 +178,18 @@ def plot(exp_dir: str, rows: list[dict[str, Any]]) -> str | None:
                       marker="x" if r["status"] == "failed" else "o", s=50)
     for b, color in colors.items():
         ax_lr.scatter([], [], color=color, label=f"batch {b}")
-    ax_lr.scatter([], [], color="gray", marker="x", label="failed")
+    if any(r["status"] == "failed" for r in rows):
+        ax_lr.scatter([], [], color="gray", marker="x", label="failed")
     ax_curve.set(xlabel="epoch", ylabel="test accuracy",
                  title="test accuracy per trial (dashed: stopped early)")
+    ax_curve.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole
     ax_lr.set(xscale="log", xlabel="learning rate (global batch)", ylabel="best test accuracy",
               title="learning rate vs best test accuracy")
     for ax in (ax_curve, ax_lr):
         ax.grid(alpha=0.3)
     ax_curve.legend(fontsize=7, ncol=2)
     ax_lr.legend(fontsize=8)
-    return report.save_figure(fig, exp_dir, "tune.png")
+    return fig
 
 
 def summary_text(summary: TuneSummary) -> str:

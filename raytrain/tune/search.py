@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from raytrain import files, ray_compat
+from raytrain import files, ray_compat, report
 from raytrain.config import TrainConfig, check_search
 from raytrain.driver import preflight
 from raytrain.driver.run import NOT_TRAINING
@@ -74,6 +74,9 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
         tuner = tune.Tuner(trainable, param_space=search_space(cfg),
                            tune_config=tune_config(cfg, concurrent),
                            run_config=run_config(cfg))
+    if not cfg.run.verbose:  # Tune's reporter prints its boxed settings table and a
+        # TensorBoard hint into /tmp/ray/session_* even at verbose=0; the legacy one is silent
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     with PlacementGroupReaper(os.path.join(exp_dir, "trials"), enabled=reap), \
             warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*reuse_actors")  # PBT: we restart trials
@@ -255,6 +258,16 @@ class Progress(_progress_base()):
         print(f"trial {trial.trial_id} {how} at epoch {epoch}/{self.epochs}{acc}", flush=True)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        print(f"trial {trial.trial_id} failed: {trial_error(trial.trial_id, self.exp_dir)}",
-              flush=True)
+        """Only a trial Tune marks ERROR failed: its reason goes into its events.jsonl."""
+        try:
+            err = trial.get_pickled_error() or trial.get_error()
+        except Exception:  # noqa: BLE001 - no error file: Ray's short reason stands
+            err = None
+        reason = trial_error(trial.trial_id, None, err)
+        try:
+            report.append_event(os.path.join(self.exp_dir, "trials", trial.trial_id),
+                                {"event": "trial_failed", "error": reason, "time": time.time()})
+        except OSError:  # a full disk: the line below still says it
+            pass
+        print(f"trial {trial.trial_id} failed: {reason}", flush=True)
 

@@ -23,7 +23,9 @@ from raytrain.tune.pbt import ForwardReports, StartFrom, fit_forwarding, prepare
 from raytrain.tune.placement import PG_FILE, RecordPlacementGroup
 
 class TrialFailed(RuntimeError):
-    """Raised in a trial so that Tune marks it ERROR (the search goes on)."""
+    """Raised in a trial so that Tune marks it ERROR (the search goes on); the driver records
+    it in the trial's events.jsonl (``search.Progress``): only a trial Tune marks ERROR has
+    failed, not one Tune stopped or that finished while Tune was ending it."""
 
 
 def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: bool = True
@@ -67,14 +69,11 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: 
         else:
             trainer.fit()
     except Exception as err:  # past the worker failure budget, or the controller's
-        fail(trial_dir, f"training failed: {short(err)}")
+        rows = report.read_metrics(trial_dir)
+        if not (rows and rows[-1]["epoch"] >= cfg.optim.epochs and "error" not in rows[-1]):
+            raise TrialFailed(f"training failed: {short(err)}") from None
+        # else every epoch was recorded: what failed came after (Tune ending the trial)
     rows = report.read_metrics(trial_dir)
     if rows and "error" in rows[-1]:
-        fail(trial_dir, rows[-1]["error"])
-
-
-def fail(trial_dir: str, reason: str) -> None:
-    report.append_event(trial_dir, {"event": "trial_failed", "error": reason,
-                                    "time": time.time()})
-    raise TrialFailed(reason)
+        raise TrialFailed(rows[-1]["error"])
 
