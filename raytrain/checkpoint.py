@@ -62,7 +62,17 @@ def restore(state: dict[str, Any], model, optimizer, scheduler, scaler) -> tuple
     """Load ``state`` into the training objects; returns (epochs done, global step)."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    # The schedule's length is this run's (--resume with other --epochs): the saved step count
+    # continues on it instead of on the old length, which OneCycleLR would run past and fail.
+    length = {k: v for k, v in vars(scheduler).items()
+              if k in ("total_steps", "_schedule_phases", "T_max")}
     scheduler.load_state_dict(state["scheduler"])
+    if any(vars(scheduler).get(k) != v for k, v in length.items()):
+        vars(scheduler).update(length)
+        if hasattr(scheduler, "_get_closed_form_lr"):  # cosine steps from the current lr:
+            for group, lr in zip(optimizer.param_groups,  # restart it on the new curve
+                                 scheduler._get_closed_form_lr()):
+                group["lr"] = lr
     if state["scaler"] is not None and scaler is not None:
         scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])

@@ -105,6 +105,22 @@ def test_resume_in_one_process_is_bit_identical():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine"])
+def test_resume_with_more_epochs_follows_the_new_schedule(schedule):
+    """--resume with a larger --epochs: the schedule is this run's length (OneCycleLR kept
+    the old one and failed past its last step)."""
+    flat = {"dataset": "digits", "num_workers": 1, "epochs": 1, "batch_size": 256,
+            "model": "lenet", "lr_schedule": schedule}
+    worker = Worker(0, 0, 1, torch.device("cpu"))
+    states, more = {}, {}
+    run_worker(TrainConfig.from_flat(flat), worker,
+               lambda m, s: states.__setitem__(m["epoch"], _roundtrip(s)))
+    run_worker(TrainConfig.from_flat({**flat, "epochs": 3}), worker,
+               lambda m, s: more.__setitem__(m["epoch"], m),
+               resume=torch.load(states[1], weights_only=True))
+    assert sorted(more) == [2, 3] and more[3]["lr"] < more[2]["lr"] < flat.get("lr", 0.05)
+
+
 def _roundtrip(state):
     import io
 
