@@ -43,9 +43,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def training_state(model, optimizer, scheduler, scaler, epoch: int, step: int,
-                   config: dict[str, Any]) -> dict[str, Any]:
-    """The full state after ``epoch`` epochs (``model`` is the unwrapped module)."""
-    return {
+                   config: dict[str, Any], ema=None, metrics: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The full state after ``epoch`` epochs (``model`` is the unwrapped module). With an EMA
+    (``--ema``), its state too, and ``export`` says which weights scored better this epoch
+    (what model.pt gets)."""
+    extra: dict[str, Any] = {}
+    if ema is not None:
+        better = (metrics or {}).get("test_acc_ema", -1) > (metrics or {}).get("test_acc", 0)
+        extra = {"ema": ema.state_dict(), "export": "ema" if better else "model"}
+    return extra | {
         "format": FORMAT,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
@@ -58,9 +65,13 @@ def training_state(model, optimizer, scheduler, scaler, epoch: int, step: int,
     }
 
 
-def restore(state: dict[str, Any], model, optimizer, scheduler, scaler) -> tuple[int, int]:
+def restore(state: dict[str, Any], model, optimizer, scheduler, scaler, ema=None
+            ) -> tuple[int, int]:
     """Load ``state`` into the training objects; returns (epochs done, global step)."""
     model.load_state_dict(state["model"])
+    if ema is not None:  # a run that turns --ema on when resumed starts its average here
+        ema.load_state_dict(state["ema"]) if "ema" in state else \
+            ema.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     # The schedule's length is this run's (--resume with other --epochs): the saved step count
     # continues on it instead of on the old length, which OneCycleLR would run past and fail.
@@ -135,7 +146,11 @@ def model_weights(path: str) -> dict[str, torch.Tensor]:
 def model_weights_of(state: Any, path: str) -> dict[str, torch.Tensor]:
     """The model weights in ``state``, loaded from ``path``."""
     if isinstance(state, dict) and state.get("format") == FORMAT:
-        state = state["model"]
+        if state.get("export") == "ema":  # --ema scored better: its weights, as a state_dict
+            state = {k.removeprefix("module."): v for k, v in state["ema"].items()
+                     if k != "n_averaged"}
+        else:
+            state = state["model"]
     if not isinstance(state, dict) or not state or \
             not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise RaytrainError(f"{path}: not a model state_dict or raytrain checkpoint")

@@ -204,6 +204,21 @@ class OptimConfig:
                           choices=PRECISIONS)
     nan_policy: str = _opt("stop", "on a NaN/inf loss: stop the run, or skip the step",
                            choices=NAN_POLICIES)
+    label_smoothing: float = _opt(0.0, "cross-entropy label smoothing F (0 <= F < 1)")
+    mixup: float = _opt(0.0, "mixup: mix pairs of images and their labels with a Beta(ALPHA, "
+                        "ALPHA) weight (0 = off)", metavar="ALPHA")
+    cutmix: float = _opt(0.0, "cutmix: paste a box of another image, labels weighted by its "
+                         "area, box from Beta(ALPHA, ALPHA) (0 = off; with --mixup, one of the "
+                         "two per batch)", metavar="ALPHA")
+    ema: float = _opt(0.0, "keep an exponential moving average of the weights with this decay "
+                      "per step (e.g. 0.999; 0 = off); evaluated each epoch as test_acc_ema, "
+                      "and model.pt holds the better of the two", metavar="DECAY")
+    warmup_epochs: int = _opt(0, "linear learning-rate warmup over the first N epochs, then the "
+                              "schedule")
+    grad_accum: int = _opt(1, "accumulate gradients over N steps per update: --batch-size "
+                           "(global) = N x the per-step batch; DDP all-reduces once per update")
+    clip_grad: float = _opt(0.0, "clip the gradients' global norm to NORM (0 = off)",
+                            metavar="NORM")
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "epochs", self.epochs, "a whole number >= 1")
@@ -213,6 +228,17 @@ class OptimConfig:
                self.momentum, "a number in [0, 1)")
         _check(math.isfinite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
                self.weight_decay, "a finite number >= 0")
+        _check(math.isfinite(self.label_smoothing) and 0 <= self.label_smoothing < 1,
+               "label_smoothing", self.label_smoothing, "a number in [0, 1)")
+        for key in ("mixup", "cutmix", "clip_grad"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and value >= 0, key, value, "a finite number >= 0 "
+                   "(0 = off)")
+        _check(math.isfinite(self.ema) and 0 <= self.ema < 1, "ema", self.ema,
+               "a decay in [0, 1), e.g. 0.999 (0 = off)")
+        _check(0 <= self.warmup_epochs < self.epochs, "warmup_epochs", self.warmup_epochs,
+               f"a whole number in [0, --epochs) = [0, {self.epochs})")
+        _check(self.grad_accum >= 1, "grad_accum", self.grad_accum, "a whole number >= 1")
         for key, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
                              ("precision", PRECISIONS), ("nan_policy", NAN_POLICIES)):
             value = getattr(self, key)
@@ -358,6 +384,10 @@ class TrainConfig:
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",
                self.optim.batch_size,
                f"at least --num-workers ({self.cluster.max_workers}): the batch is global")
+        accum = self.optim.grad_accum
+        _check(self.optim.batch_size >= self.cluster.max_workers * accum, "grad_accum", accum,
+               f"at most --batch-size / --num-workers = {self.per_worker_batch} (each of the "
+               "accumulated steps needs an image per worker)")
         if self.tune.tune:  # trials run with tune off: checked once, on the driver
             check_search(self)
 

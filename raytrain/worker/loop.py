@@ -8,6 +8,7 @@ GPU can be timed without Ray.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -24,6 +25,7 @@ from raytrain.config import TrainConfig
 from raytrain.data import Augment, InMemory, load_dataset
 from raytrain.files import EVENTS_FILE, append_jsonl
 from raytrain.models import build_model
+from raytrain.worker.recipe import Mixer, make_ema, with_warmup
 
 BAD_CHECK_EVERY = 20  # steps between the ranks' agreement on a bad image (one tiny all-reduce)
 
@@ -70,9 +72,12 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
     # The global batch is split over the workers actually running (elastic runs may have
     # fewer than --num-workers' maximum).
     batch = max(1, o.batch_size // worker.world)
-    steps = source.steps(worker.world, batch)
+    micro = max(1, batch // o.grad_accum)  # the per-step batch; one update per grad_accum
+    steps = source.steps(worker.world, micro)
+    updates = -(-steps // o.grad_accum)
     optimizer = make_optimizer(model, cfg)
-    scheduler = make_scheduler(optimizer, cfg, steps * o.epochs)
+    scheduler = make_scheduler(optimizer, cfg, updates * o.epochs, updates * o.warmup_epochs)
+    ema = make_ema(model, o.ema)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     augment = cfg.data.augment if cfg.data.augment is not None else cfg.data.dataset != "synthetic"
     aug = Augment(*source.normalization(cfg.data.normalize), device,
@@ -80,13 +85,17 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
                   flip=augment and source.flip_ok, channels_last=True)
     done, step = 0, 0
     if resume is not None:
-        done, step = checkpoint.restore(resume, model, optimizer, scheduler, scaler)
+        done, step = checkpoint.restore(resume, model, optimizer, scheduler, scaler, ema)
     for epoch in range(done + 1, o.epochs + 1):
         train = train_epoch(ddp, source, aug, optimizer, scheduler, scaler, amp_dtype, worker,
-                            cfg, epoch, steps, batch)
+                            cfg, epoch, steps, micro, ema)
         step += steps
         test = evaluate(model, source, aug, amp_dtype, worker, batch)
         metrics = epoch_metrics(epoch, train, test, optimizer, cfg.data.skip_bad_images)
+        if ema is not None:  # the average, evaluated beside the raw weights
+            ema_test = evaluate(ema.module, source, aug, amp_dtype, worker, batch)["sums"]
+            metrics.update(test_loss_ema=ema_test[0] / max(ema_test[2], 1),
+                           test_acc_ema=ema_test[1] / max(ema_test[2], 1))
         if not cfg.data.streaming:  # in memory: no waiting for data to speak of
             metrics.pop("data_wait")
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
@@ -98,7 +107,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         save = worker.master and "error" not in metrics and (
             epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
         state = checkpoint.training_state(model, optimizer, scheduler, scaler, epoch, step,
-                                          cfg.to_flat()) if save else None
+                                          cfg.to_flat(), ema, metrics) if save else None
         report(metrics, state)
         if "error" in metrics:
             return
@@ -149,25 +158,35 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
                            weight_decay=o.weight_decay, nesterov=o.momentum > 0)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
-    """Stepped once per batch."""
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int,
+                   warmup_steps: int = 0):
+    """Stepped once per optimizer update; ``warmup_steps`` of linear warmup first."""
     kind = cfg.optim.lr_schedule
+    steps = max(1, total_steps - warmup_steps)
     if kind == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    if kind == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.optim.lr,
-                                                   total_steps=total_steps)
-    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    elif kind == "onecycle":
+        main = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.optim.lr,
+                                                   total_steps=steps)
+    else:
+        main = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
+    return with_warmup(optimizer, main, warmup_steps)
 
 
 # ---------------------------------------------------------------------------- epochs
 
 
 def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scaler,
-                amp_dtype, worker: Worker, cfg: TrainConfig, epoch: int, steps: int, batch: int
-                ) -> dict[str, Any]:
-    """One pass over this worker's shard; returns globally summed loss/correct/count."""
-    device = worker.device
+                amp_dtype, worker: Worker, cfg: TrainConfig, epoch: int, steps: int, batch: int,
+                ema=None) -> dict[str, Any]:
+    """One pass over this worker's shard (``steps`` batches of ``batch``, an optimizer update
+    every --grad-accum of them); returns globally summed loss/correct/count.
+
+    With mixup/cutmix a batch counts as ``lam`` correct where the prediction is the first
+    label and ``1 - lam`` where it is the second: train_acc stays the share of the mixed
+    targets the network predicts."""
+    device, o = worker.device, cfg.optim
+    mix = Mixer(o.mixup, o.cutmix, cfg.run.seed, epoch, worker.rank)
     ddp.train()
     gen = torch.Generator(device=device).manual_seed(
         (cfg.run.seed * 1_000_003 + epoch) * 4099 + worker.rank)
@@ -197,9 +216,16 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
         x, y = bad.drop(*item)
         if i == 0:
             first_batch_s = time.perf_counter() - start
-        loss, correct, finite = train_step(ddp, aug(x, gen), y, optimizer, scaler, amp_dtype,
-                                           skip)
-        scheduler.step()
+        x, y, y_b, lam = mix(aug(x, gen), y)
+        update = (i + 1) % o.grad_accum == 0 or i + 1 == steps
+        loss, correct, finite = train_step(
+            ddp, x, y, optimizer, scaler, amp_dtype, skip, y_b=y_b, lam=lam,
+            smoothing=o.label_smoothing, clip=o.clip_grad, accum=o.grad_accum,
+            update=update, zero=i % o.grad_accum == 0)
+        if update:
+            scheduler.step()
+            if ema is not None:
+                ema.update_parameters(_unwrapped(ddp))
         # Sums stay on the device (no per-step sync); the count is plain Python.
         sums[:2] += torch.stack([loss.detach().double() * len(y), correct.double()])
         count += len(y)
@@ -289,25 +315,51 @@ class Progress:
 
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer, scaler,
-               amp_dtype, skip_nonfinite: bool):
-    """Forward, backward, update. Returns (mean loss, correct count, loss finite) tensors."""
-    with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32,
-                        enabled=amp_dtype is not None):
-        logits = model(x)
-    loss = F.cross_entropy(logits.float(), y, reduction="sum") / max(len(y), 1)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()
-    finite = torch.isfinite(loss)
-    if skip_nonfinite:  # DDP averaged the gradients: a NaN anywhere is a NaN everywhere
-        scaler.unscale_(optimizer)
-        norm = nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-        if not torch.isfinite(norm):
+               amp_dtype, skip_nonfinite: bool, *, y_b: torch.Tensor | None = None,
+               lam: float = 1.0, smoothing: float = 0.0, clip: float = 0.0, accum: int = 1,
+               update: bool = True, zero: bool = True):
+    """Forward, backward and (``update``) the optimizer step. Returns (mean loss, correct
+    count, loss finite) tensors. ``y_b``/``lam``: mixed targets; ``accum``: the gradient is
+    accumulated over that many calls, the first with ``zero``, the last with ``update``
+    (before it DDP's ``no_sync`` skips the all-reduce)."""
+    sync = getattr(model, "no_sync", None) if not update else None
+    with sync() if sync is not None else contextlib.nullcontext():
+        with torch.autocast(x.device.type, dtype=amp_dtype or torch.float32,
+                            enabled=amp_dtype is not None):
+            logits = model(x)
+        loss = _loss(logits.float(), y, smoothing)
+        if y_b is not None and lam < 1.0:
+            loss = lam * loss + (1 - lam) * _loss(logits.float(), y_b, smoothing)
+        if zero:
             optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss / accum if accum > 1 else loss).backward()
+    finite = torch.isfinite(loss)
+    pred = logits.argmax(1)
+    correct = (pred == y).sum() if y_b is None or lam >= 1.0 else \
+        lam * (pred == y).sum() + (1 - lam) * (pred == y_b).sum()
+    if not update:
+        return loss, correct, finite
+    if skip_nonfinite or clip:
+        scaler.unscale_(optimizer)
+        norm = nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)
+        if skip_nonfinite and not torch.isfinite(norm):  # DDP averaged the gradients: a NaN
+            optimizer.zero_grad(set_to_none=True)        # anywhere is a NaN everywhere
             scaler.update()
-            return loss, (logits.argmax(1) == y).sum(), finite
+            return loss, correct, finite
     scaler.step(optimizer)
     scaler.update()
-    return loss, (logits.argmax(1) == y).sum(), finite
+    return loss, correct, finite
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor, smoothing: float) -> torch.Tensor:
+    return F.cross_entropy(logits, y, reduction="sum", label_smoothing=smoothing) / \
+        max(len(y), 1)
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's and DDP's wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
 
 
 @torch.no_grad()
