@@ -116,6 +116,22 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
 # ---------------------------------------------------------------------------- setup
 
 
+def rss_mb() -> float:
+    """This process's resident memory now, in MiB (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB (Linux: ru_maxrss is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def process_started_at() -> float | None:
     """When this process started, in epoch seconds (Linux: /proc, to 10 ms); else None."""
     try:
@@ -193,7 +209,7 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss*n, correct, n, wait, bad
     count = 0
     first_bad = torch.tensor(steps + 1, device=device)  # 1-based step of the first NaN loss
-    first_step_at = first_batch_s = 0.0
+    first_step_at = first_batch_s = rss_start = 0.0
     skip = cfg.optim.nan_policy == "skip"
     bad = BadImages(cfg, worker, epoch)
     progress = Progress(cfg, worker, epoch, steps, batch)
@@ -238,6 +254,7 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
         if i == 0:
             _sync(device)
             first_step_at = time.time()
+            rss_start = rss_mb()
         i += 1
         progress.step(i, count, wait)
         if i % BAD_CHECK_EVERY == 0 and bad.stop_now():
@@ -249,9 +266,12 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
     all_reduce(first_bad, op=dist.ReduceOp.MIN)
     bad_stop = bad.stop_now()
     first = int(first_bad.item())
+    rss = torch.tensor([peak_rss_mb(), rss_mb() - rss_start if i else 0.0], device=device)
+    all_reduce(rss, op=dist.ReduceOp.MAX)
     return {"sums": sums.tolist(), "seconds": seconds, "steps": steps, "world": worker.world,
             "first_bad_step": first if first <= steps else None, "first_step_at": first_step_at,
-            "first_batch_s": first_batch_s, "bad_image": bad_stop}
+            "first_batch_s": first_batch_s, "bad_image": bad_stop, "rss_mb": rss[0].item(),
+            "rss_growth_mb": rss[1].item()}
 
 
 class BadImages:
@@ -416,6 +436,9 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: dict[str, Any], optim
         "train_count": int(n),
         # the share of the epoch the ranks spent waiting for their next batch (mean over ranks)
         "data_wait": wait / train["world"] / max(train["seconds"], 1e-9),
+        "worker_rss_mb": train["rss_mb"],  # the largest worker's peak resident memory so far
+        # how much a worker's resident memory grew from its first step to the epoch's end
+        "worker_rss_growth_mb": train["rss_growth_mb"],
     }
     if bad or t_bad:
         metrics["bad_images"] = int(bad + t_bad)
