@@ -61,7 +61,14 @@ def print_summary(summary) -> None:
         print(data)
     print(f"run directory: {summary.run_dir}")
     if summary.model_path:
-        print(f"weights: {summary.model_path}")
+        f = summary.final
+        which = ""
+        if "test_acc_ema" in f:  # --ema: the checkpoint exported the better of the two
+            ema = f["test_acc_ema"] > f["test_acc"]
+            which = (f" (the EMA weights: test_acc_ema {f['test_acc_ema']:.4f} > test_acc "
+                     f"{f['test_acc']:.4f})" if ema else f" (the raw weights: test_acc "
+                     f"{f['test_acc']:.4f} >= test_acc_ema {f['test_acc_ema']:.4f})")
+        print(f"weights: {summary.model_path}{which}")
 
 
 def data_line(rows: list[dict]) -> str | None:
