@@ -92,6 +92,78 @@ def dataloader(root: str, size: int, workers: int, batch: int, epochs: int):
     return rate, first
 
 
+def torchrun_worker(root: str, size: int, batch: int, epochs: int, model_name: str,
+                    loaders: int) -> None:
+    """One rank of the hand-written baseline (run under ``torchrun --nproc_per_node 2``):
+    ImageFolder + DistributedSampler + DataLoader with torchvision's RandomResizedCrop/flip/
+    ToTensor/Normalize, DDP on gloo, SGD; rank 0 prints a JSON line."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader, DistributedSampler
+    from torchvision.datasets import ImageFolder
+
+    from raytrain.models import build_model
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                    T.Normalize(streaming.IMAGENET_MEAN, streaming.IMAGENET_STD)])
+    ds = ImageFolder(os.path.join(root, "train"), transform=tf)
+    sampler = DistributedSampler(ds, seed=0, drop_last=True)
+    dl = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=loaders,
+                    persistent_workers=loaders > 0, drop_last=True)
+    model = torch.nn.parallel.DistributedDataParallel(
+        build_model(model_name, len(ds.classes), image_size=size))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    first, rate = None, 0.0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        t, n = time.perf_counter(), 0
+        for x, y in dl:
+            first = first or time.perf_counter() - t0
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            n += len(y)
+        rate = n * dist.get_world_size() / (time.perf_counter() - t)
+    if dist.get_rank() == 0:
+        print(json.dumps({"images_per_s": rate, "first_batch_s": first}), flush=True)
+    dist.destroy_process_group()
+
+
+def with_step(root: str, size: int, batch: int, epochs: int, model: str, loaders: int):
+    """Input + training step, 2 processes each side: (torchrun rate, first batch), (raytrain
+    rate, first batch). Global images/s of the last epoch."""
+    import json
+    import subprocess
+
+    here = os.path.abspath(__file__)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(here)),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+         "--nproc_per_node", "2", here, "--torchrun-worker", root, str(size), str(batch),
+         str(epochs), model, str(loaders)], capture_output=True, text=True, env=env,
+        check=True).stdout
+    base = json.loads(out.strip().splitlines()[-1])
+    runs = tempfile.mkdtemp(prefix="raytrain-ingest-runs-")
+    subprocess.run([sys.executable, "-m", "raytrain.fit", "--dataset", "imagefolder",
+                    "--data-dir", root, "--image-size", str(size), "--model", model,
+                    "--num-workers", "2", "--batch-size", str(2 * batch), "--epochs",
+                    str(epochs), "--lr-schedule", "constant", "--lr", "0.01",
+                    "--storage-path", runs, "--name", "step", "--progress-every", "0"],
+                   capture_output=True, text=True, env=env, check=True)
+    with open(os.path.join(runs, "step", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return ((base["images_per_s"], base["first_batch_s"]),
+            (rows[-1]["images_per_s"], rows[0]["first_batch_s"]))
+
+
 def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool):
     t0 = time.perf_counter()
     datasets, _, _ = streaming.build_datasets("imagefolder", root, size, seed=0,
@@ -116,9 +188,19 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--data", default=None, help="reuse/generate the folder here")
+    p.add_argument("--step-model", default="small-cnn",
+                   help="input + step rows: the model both sides train ('' = skip them)")
+    p.add_argument("--step-size", type=int, default=64, help="input + step rows: the crop")
+    p.add_argument("--loader-workers", type=int, default=2,
+                   help="the torchrun side's DataLoader processes per rank")
+    p.add_argument("--torchrun-worker", nargs=6, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.torchrun_worker:
+        root, size, batch, epochs, model, loaders = a.torchrun_worker
+        return torchrun_worker(root, int(size), int(batch), int(epochs), model, int(loaders))
     if a.quick:
         a.images, a.sizes, a.epochs, a.batch = 96, "32", 1, 16
+        a.step_model = ""  # the step rows start a Ray cluster and torchrun: minutes
     sizes = [int(s) for s in a.sizes.split(",")]
     root = a.data or tempfile.mkdtemp(prefix="raytrain-ingest-")
     if not os.path.isdir(os.path.join(root, "train")):
@@ -154,6 +236,16 @@ def main(argv=None) -> None:
                                                                     True))
     finally:
         ray.shutdown()
+    if a.step_model:
+        (b_rate, b_first), (r_rate, r_first) = with_step(root, a.step_size, a.batch, a.epochs,
+                                                         a.step_model, a.loader_workers)
+        print(f"\ninput + step, --model {a.step_model}, crop {a.step_size}, 2 processes, "
+              f"{a.batch} per process, last of {a.epochs} epochs (global images/s; first batch "
+              "from process start)")
+        print(f"torchrun + ImageFolder/DataLoader ({a.loader_workers} loaders per rank): "
+              f"{b_rate:7.0f} images/s, first batch {b_first:5.1f}s")
+        print(f"raytrain.fit --dataset imagefolder:                {r_rate:7.0f} images/s, "
+              f"first batch {r_first:5.1f}s into its first epoch; ratio {r_rate / b_rate:.2f}x")
     load = os.getloadavg()[0]
     print(f"\n{n_train} train JPEGs ({mb:.0f} MB), batch {a.batch}, {a.epochs} epoch(s), "
           f"{os.cpu_count()} cores, load avg {load:.1f} at the end; images/s (last epoch) / "
