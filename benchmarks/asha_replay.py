@@ -23,9 +23,9 @@ import heapq
 import json
 import os
 
-from ray.tune.schedulers.async_hyperband import _Bracket
 from ray.tune.schedulers.trial_scheduler import TrialScheduler
 
+from raytrain import ray_compat
 from raytrain.tune import fell_behind
 
 
@@ -57,7 +57,7 @@ def replay(curves, metric: str, rf: int, grace: int, slots: int, startup_s: floa
            ) -> tuple[float, float]:
     """(share of worker-epochs spent, test_acc points behind the full search's best)."""
     epochs = min(len(c) for c in curves)
-    bracket = _Bracket(grace, epochs, rf, 0)
+    bracket = ray_compat.asha_bracket(grace, epochs, rf)
     sign = -1 if metric.endswith("loss") else 1  # ASHAScheduler(mode="min") negates
     waiting, events, spent = list(range(len(curves))), [], {}
 

@@ -417,6 +417,17 @@ def asha_rungs(scheduler, trial_id: str) -> tuple[list, Callable] | None:
         return None
 
 
+def asha_bracket(grace_period: int, max_t: int, reduction_factor: int):
+    """One ASHA bracket (the private ``_Bracket`` every rung decision of Ray's ASHA goes
+    through), for benchmarks/asha_replay.py to replay measured curves offline. Missing: the
+    replay cannot run (one RaytrainError); training never uses it."""
+    bracket = _internal("ray.tune.schedulers.async_hyperband", "_Bracket")
+    if bracket is None:
+        raise RaytrainError(f"this Ray has no ASHA _Bracket (written for {WRITTEN_FOR}): the "
+                            "replay needs it")
+    return bracket(grace_period, max_t, reduction_factor, 0)
+
+
 def asha_setting(scheduler, name: str) -> Any:
     """ASHA's ``metric`` / ``time_attr`` (kept privately as _metric, _time_attr)."""
     return getattr(scheduler, f"_{name}", None)
