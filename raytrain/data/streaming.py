@@ -63,6 +63,7 @@ import json
 import math
 import os
 import posixpath
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -660,9 +661,11 @@ def _collate_fn():
         def __call__(self, batch: dict) -> dict:
             if "bytes" in batch:
                 return batch
-            return {"image": torch.from_numpy(np.ascontiguousarray(batch["image"])),
-                    "label": torch.from_numpy(np.asarray(batch["label"], np.int64)),
-                    "bad": batch["bad"]}
+            with warnings.catch_warnings():  # Ray's arrays are read-only; the batch is ours
+                warnings.simplefilter("ignore", UserWarning)  # and nobody writes to it
+                return {"image": torch.from_numpy(np.ascontiguousarray(batch["image"])),
+                        "label": torch.from_numpy(np.asarray(batch["label"], np.int64)),
+                        "bad": batch["bad"]}
 
     return Collate()
 
