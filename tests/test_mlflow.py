@@ -83,6 +83,8 @@ def _fit(argv: list[str]) -> tuple[int, str, str]:
 
 def _runs(client, name: str, experiment: str = "raytrain") -> list:
     exp = client.get_experiment_by_name(experiment)
+    if exp is None:  # no run made it yet
+        return []
     return client.search_runs([exp.experiment_id], f"attributes.run_name = '{name}'")
 
 
