@@ -167,6 +167,25 @@ def test_mlflow_missing_is_one_line_before_ray(monkeypatch, capsys):
     assert len(err.splitlines()) == 1 and "--mlflow-uri" in err and 'pip install ".[mlflow]"' in err
 
 
+def test_env_uri_is_honoured_and_tracking_settings_may_change_on_a_rerun(monkeypatch,
+                                                                         tmp_path):
+    from raytrain.driver.run import prepare_run_dir, saved_epochs
+
+    def cfg(*argv):
+        return fit.resolve(fit.build_parser().parse_args(
+            ["--dataset", "digits", "--storage-path", str(tmp_path), "--name", "r", *argv]))
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert cfg().tracking.uri == "http://127.0.0.1:5000"
+    assert cfg("--mlflow-uri", "sqlite:///x.db").tracking.uri == "sqlite:///x.db"
+    assert cfg("--mlflow-uri", "").tracking.uri is None  # '' = off, the variable set or not
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert cfg().tracking.uri is None
+    prepare_run_dir(cfg())
+    # Not training settings: the same run, without --resume
+    assert saved_epochs(cfg("--mlflow-uri", "http://h:1", "--mlflow-experiment", "e")) == 0
+
+
 def test_no_tracking_uri_never_imports_mlflow(tmp_path):
     code = ("import sys; from raytrain import fit; from raytrain.driver import run, tracking; "
             "from raytrain.tune import search; "
