@@ -32,9 +32,10 @@ from typing import Any, Callable
 
 import yaml
 
-from raytrain import report
+from raytrain import files, report
 from raytrain.config import TrainConfig
 from raytrain.driver.console import Poller
+from raytrain.errors import Interrupted
 
 RUN_ID_FILE = "mlflow_run_id"
 ARTIFACTS = ("model.pt", "learning_curves.png", "config.yaml")  # a training run's, at the end
@@ -115,8 +116,6 @@ class Tracking:
             tags = {"raytrain.run_dir": run_dir} | (
                 {"mlflow.parentRunId": parent_id} if parent_id else {})
             run = client.create_run(self.experiment_id(client), run_name=name, tags=tags)
-            from raytrain import files
-
             files.atomic_write(path, run.info.run_id + "\n")
             old: dict[str, str] = {}
         else:
@@ -134,10 +133,10 @@ class Tracking:
         """The last epoch MLflow holds for ``run_id`` (0: none)."""
         def last(client) -> int:
             run = client.get_run(run_id)
-            keys = [k for k in run.data.metrics]
-            if not keys:
+            if not run.data.metrics:
                 return 0
-            return max((m.step for m in client.get_metric_history(run_id, keys[0])), default=0)
+            key = next(iter(run.data.metrics))
+            return max((m.step for m in client.get_metric_history(run_id, key)), default=0)
 
         return self.call("reading the run", last) or 0
 
@@ -200,8 +199,6 @@ class _Tracker(Poller):
     def __exit__(self, kind, *exc) -> None:
         self._halt()
         if kind is not None and not self._ended:
-            from raytrain.errors import Interrupted
-
             killed = issubclass(kind, (KeyboardInterrupt, Interrupted))
             self.finish("KILLED" if killed else "FAILED")
 
