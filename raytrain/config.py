@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -276,6 +277,43 @@ class RunSettings:
         self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
 
 
+@dataclass
+class TrackingConfig:
+    """Experiment tracking: the driver logs runs to MLflow (pip install 'raytrain[mlflow]')."""
+
+    mlflow_uri: str | None = _opt(None, "MLflow tracking URI (http://HOST:PORT of `mlflow "
+                                  "server`, or sqlite:///FILE): log this run there, or a "
+                                  "--tune search as a parent run with a child per trial; "
+                                  "default $MLFLOW_TRACKING_URI, else off ('' = off)",
+                                  metavar="URI")
+    mlflow_experiment: str = _opt("raytrain", "MLflow experiment the runs go in (made if "
+                                  "missing)")
+
+    def __post_init__(self) -> None:
+        _check(bool(str(self.mlflow_experiment).strip()), "mlflow_experiment",
+               self.mlflow_experiment, "a non-empty experiment name")
+        uri = self.uri
+        if uri is None:
+            return
+        source = None if self.mlflow_uri else "$MLFLOW_TRACKING_URI"
+        if re.fullmatch(r"[\w.-]+:\d+", uri):  # mlflow would take it for a directory
+            raise ConfigError("mlflow_uri", uri, "a URI with its scheme, e.g. "
+                              f"http://{uri} (or sqlite:///FILE)", source)
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:
+            raise ConfigError("mlflow_uri", uri, "mlflow installed: pip install "
+                              "\".[mlflow]\" (or 'raytrain[mlflow]'), or no tracking URI",
+                              source)
+
+    @property
+    def uri(self) -> str | None:
+        """--mlflow-uri, else $MLFLOW_TRACKING_URI; None: no tracking."""
+        if self.mlflow_uri is not None:
+            return self.mlflow_uri.strip() or None
+        return os.environ.get("MLFLOW_TRACKING_URI", "").strip() or None
+
+
 SCHEDULERS = ("asha", "pbt", "none")
 SEARCHES = ("random", "optuna")
 
@@ -361,7 +399,8 @@ def _normalize_list(value: Any) -> str:
 
 
 SECTIONS = {"cluster": ClusterConfig, "model": ModelConfig, "data": DataConfig,
-            "optim": OptimConfig, "run": RunSettings, "tune": TuneSettings}
+            "optim": OptimConfig, "run": RunSettings, "tune": TuneSettings,
+            "tracking": TrackingConfig}
 
 
 def _check(ok: bool, key: str, value: Any, accepted: str) -> None:
@@ -379,6 +418,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunSettings = field(default_factory=RunSettings)
     tune: TuneSettings = field(default_factory=TuneSettings)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",

@@ -20,7 +20,7 @@ import yaml
 
 from raytrain import checkpoint, files, ray_compat, report
 from raytrain.config import FIELDS, TrainConfig
-from raytrain.driver import console
+from raytrain.driver import console, tracking
 from raytrain.driver.cluster import train_env
 from raytrain.driver.preflight import Shape, check_storage_writable, preflight
 from raytrain.errors import Interrupted, RaytrainError, TrainingError, short
@@ -29,7 +29,7 @@ from raytrain.errors import Interrupted, RaytrainError, TrainingError, short
 NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
                 "wait_timeout", "log_every", "name", "storage_path", "keep_checkpoints",
                 "use_gpu", "cpus_per_worker", "num_workers", "data_cpus", "decode",
-                "skip_bad_images", "progress_every"}
+                "skip_bad_images", "progress_every", "mlflow_uri", "mlflow_experiment"}
 
 
 @dataclass
@@ -236,25 +236,29 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
     trainer = build_trainer(cfg, shape)
     driver = [("Ray up", connected_at), ("preflight", time.time())]
-    with console.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
-        try:
-            result = trainer.fit()
-        except (KeyboardInterrupt, SystemExit):  # Ray's Ctrl-C handler aborted the run
-            result = None
-        except Exception as err:  # Ray raises TrainingFailedError past the failure budget
-            raise TrainingError(_failed(cfg, err)) from None
-        finally:  # the controller is gone: nothing registers a checkpoint any more
-            prune_checkpoints(cfg.run_dir)
-    if result is not None and result.error is not None:
-        raise TrainingError(_failed(cfg, result.error))
-    rows = report.read_metrics(cfg.run_dir)
-    if rows and "error" in rows[-1]:
-        raise TrainingError(rows[-1]["error"])
-    if not rows or rows[-1]["epoch"] < cfg.optim.epochs:  # Ctrl-C: Ray aborted the run
-        raise Interrupted(f"interrupted after epoch {rows[-1]['epoch'] if rows else 0} of "
-                            f"{cfg.optim.epochs}; rerun the same command to resume")
-    model_path = export_model(cfg.run_dir, result.checkpoint)
-    report.plot_curves(cfg.run_dir, rows)
+    # Both read the run directory's files on the driver while fit() blocks (driver/tracking.py
+    # says why MLflow is fed from here, not from the controller's RunFiles callback).
+    with tracking.RunTracker(cfg) as tracker:
+        with console.EpochPrinter(cfg.run_dir, cfg.optim.epochs):
+            try:
+                result = trainer.fit()
+            except (KeyboardInterrupt, SystemExit):  # Ray's Ctrl-C handler aborted the run
+                result = None
+            except Exception as err:  # Ray raises TrainingFailedError past the failure budget
+                raise TrainingError(_failed(cfg, err)) from None
+            finally:  # the controller is gone: nothing registers a checkpoint any more
+                prune_checkpoints(cfg.run_dir)
+        if result is not None and result.error is not None:
+            raise TrainingError(_failed(cfg, result.error))
+        rows = report.read_metrics(cfg.run_dir)
+        if rows and "error" in rows[-1]:
+            raise TrainingError(rows[-1]["error"])
+        if not rows or rows[-1]["epoch"] < cfg.optim.epochs:  # Ctrl-C: Ray aborted the run
+            raise Interrupted(f"interrupted after epoch {rows[-1]['epoch'] if rows else 0} "
+                              f"of {cfg.optim.epochs}; rerun the same command to resume")
+        model_path = export_model(cfg.run_dir, result.checkpoint)
+        report.plot_curves(cfg.run_dir, rows)
+        tracker.finish("FINISHED")  # model.pt, learning_curves.png, config.yaml
     # The first epoch this command trained (a worker group restarted after a failure adds a
     # later first_step_at; a resumed run's earlier rows are older than started_at).
     first = [r for r in rows if r.get("first_step_at", 0) > started_at]

@@ -35,6 +35,7 @@ import yaml
 from raytrain import files, ray_compat, report
 from raytrain.config import TrainConfig, check_search
 from raytrain.driver import preflight
+from raytrain.driver.tracking import SearchTracker
 from raytrain.driver.run import NOT_TRAINING
 from raytrain.errors import Interrupted, RaytrainError, TrainingError
 from raytrain.tune.asha import RUNG_METRIC, RUNG_MODE, LateCheckASHA
@@ -77,18 +78,24 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if not cfg.run.verbose:  # Tune's reporter prints its boxed settings table and a
         # TensorBoard hint into /tmp/ray/session_* even at verbose=0; the legacy one is silent
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    with PlacementGroupReaper(os.path.join(exp_dir, "trials"), enabled=reap), \
-            warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*reuse_actors")  # PBT: we restart trials
-        grid = tuner.fit()
-    summary = summarize(cfg, grid, time.time() - started_at)
-    unfinished = [r for r in summary.rows if r["status"] in ("pending", "running", "paused")]
-    if unfinished:
-        raise Interrupted(f"search interrupted with {len(unfinished)} trial(s) "
-                                 "unfinished; rerun the same command to resume it")
-    if summary.best is None:
-        reasons = "; ".join(f"{r['trial_id']}: {r['error']}" for r in summary.rows)
-        raise TrainingError(f"all {len(summary.rows)} trials failed ({reasons[:400]})")
+    # MLflow (--mlflow-uri): a parent run, a child per trial, fed from the trials' files
+    with SearchTracker(cfg) as tracker:
+        with PlacementGroupReaper(os.path.join(exp_dir, "trials"), enabled=reap), \
+                warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*reuse_actors")  # PBT: we restart trials
+            grid = tuner.fit()
+        summary = summarize(cfg, grid, time.time() - started_at)
+        unfinished = [r for r in summary.rows if r["status"] in ("pending", "running", "paused")]
+        if unfinished:
+            raise Interrupted(f"search interrupted with {len(unfinished)} trial(s) "
+                              "unfinished; rerun the same command to resume it")
+        if summary.best is None:
+            reasons = "; ".join(f"{r['trial_id']}: {r['error']}" for r in summary.rows)
+            raise TrainingError(f"all {len(summary.rows)} trials failed ({reasons[:400]})")
+        tracker.finish("FINISHED", trial_statuses={r["trial_id"]: r["status"]
+                                                   for r in summary.rows},
+                       metrics={"best_test_acc": summary.best["best_test_acc"],
+                                "worker_epochs": summary.worker_epochs})
     return summary
 
 
