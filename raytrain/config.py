@@ -419,6 +419,9 @@ class TrainConfig:
 def check_search(cfg: TrainConfig) -> None:
     """--tune's checks that span sections (each section checked its own fields)."""
     t, epochs = cfg.tune, cfg.optim.epochs
+    if "://" in cfg.run.storage_path:  # trials write their files through the local file system
+        raise ConfigError("storage_path", cfg.run.storage_path, "a file-system path with --tune "
+                          "(searches on a bucket are not supported yet; single runs are)")
     for size in t.batch_size_choices():
         if size < cfg.cluster.max_workers:
             raise ConfigError("batch_sizes", t.batch_sizes, f"sizes of at least --num-workers "

@@ -200,4 +200,9 @@ def fetch_tree(uri: str, into: str) -> str:
 
 
 def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    """The reason in ``err``, one line. pyarrow's S3 errors start "When <doing> key 'k' in
+    bucket 'b': AWS Error <KIND> during <Op>: ..."; the part from "AWS Error" is the reason."""
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if not isinstance(err, UploadError) and "AWS Error" in text:
+        text = text[text.index("AWS Error"):]
+    return text[:200]

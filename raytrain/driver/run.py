@@ -245,9 +245,12 @@ class RunFiles(_run_files_base()):
         self.run_dir = run_dir
         self.run_location = run_location or run_dir
         self._tensorboard = None
+        self._saved = 0  # the epoch of the latest checkpoint reported: in storage already
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         m = metrics[0]
+        if checkpoint is not None:
+            self._saved = m["epoch"]
         report.record_epoch(self.run_dir, m)
         if self._tensorboard is None:
             from tensorboardX import SummaryWriter
@@ -259,8 +262,9 @@ class RunFiles(_run_files_base()):
         if storage.is_uri(self.run_location):
             try:
                 storage.upload(self.run_dir, self.run_location, EPOCH_FILES)
-            except storage.UploadError:
+            except storage.UploadError as err:
                 if "error" not in m:  # else the run stops on the failure m names already
+                    err.kept = self._saved  # the bucket may not answer the driver's question
                     raise
 
     def after_exception(self, run_context, worker_exceptions) -> None:
@@ -341,12 +345,15 @@ def export_model(run_dir: str, ckpt) -> str | None:
     return path
 
 
-def _kept(cfg: TrainConfig) -> str:
-    """What a storage failure left: the latest checkpoint (as far as the storage can say)."""
+def _kept(cfg: TrainConfig, saved: int | None = None) -> str:
+    """What a storage failure left: the latest checkpoint, as the storage says or, where it
+    cannot answer, as ``saved`` (the latest epoch reported with a checkpoint) says."""
     try:
         done = latest_checkpoint_epoch(cfg.run_location)
     except OSError:
-        return "the checkpoints saved before it are as they were"
+        if saved is None:
+            return "the checkpoints saved before it are as they were"
+        done = saved
     return f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
 
 
@@ -355,7 +362,8 @@ def _failed(cfg: TrainConfig, err: BaseException) -> str:
     # metrics.jsonl etc. on a full disk, or not uploaded to the bucket
     if isinstance(cause, OSError) and (cause.errno or isinstance(cause, storage.UploadError)):
         return checkpoint.storage_failure("writing the run files failed", cause,
-                                          cfg.run.storage_path, _kept(cfg))
+                                          cfg.run.storage_path,
+                                          _kept(cfg, getattr(cause, "kept", None)))
     restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
     return (f"training failed ({short(err)}; {restarts} worker failure(s), --max-failures "
