@@ -203,6 +203,8 @@ def first_line(err: BaseException) -> str:
     """The reason in ``err``, one line. pyarrow's S3 errors start "When <doing> key 'k' in
     bucket 'b': AWS Error <KIND> during <Op>: ..."; the part from "AWS Error" is the reason."""
     text = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    if not isinstance(err, UploadError) and "AWS Error" in text:
-        text = text[text.index("AWS Error"):]
+    if isinstance(err, UploadError):  # made of a first_line already
+        return text
+    if "AWS Error" in text:
+        text = text[text.index("AWS Error"):].split("; Details:")[0]
     return text[:200]
