@@ -2,8 +2,9 @@
 
 PATH is a run directory (uses its model.pt), a checkpoint directory, a checkpoint state.pt or
 an exported model.pt, on a local path or in a bucket (``s3://…``, ``gs://…``: what it needs is
-downloaded to a temporary directory first). Files are read with ``torch.load(weights_only=True)``: a file that holds
-anything but tensors and plain containers is refused and none of its code runs.
+downloaded to a temporary directory first). Files are read with
+``torch.load(weights_only=True)``: a file that holds anything but tensors and plain containers
+is refused and none of its code runs.
 """
 
 from __future__ import annotations

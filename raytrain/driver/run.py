@@ -347,22 +347,26 @@ def export_model(run_dir: str, ckpt) -> str | None:
 
 def _kept(cfg: TrainConfig, saved: int | None = None) -> str:
     """What a storage failure left: the latest checkpoint, as the storage says or, where it
-    cannot answer, as ``saved`` (the latest epoch reported with a checkpoint) says."""
+    cannot answer, as ``saved`` (the latest epoch reported with a checkpoint) or the metrics
+    say (an epoch is recorded after Ray Train registered its checkpoint)."""
     try:
         done = latest_checkpoint_epoch(cfg.run_location)
     except OSError:
-        if saved is None:
-            return "the checkpoints saved before it are as they were"
-        done = saved
+        every = cfg.run.checkpoint_every
+        done = saved if saved is not None else max(
+            (r["epoch"] for r in report.read_metrics(cfg.run_dir)
+             if "error" not in r and r["epoch"] % every == 0), default=0)
     return f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
 
 
 def _failed(cfg: TrainConfig, err: BaseException) -> str:
     cause = getattr(err, "controller_failure", None)  # Ray's ControllerError
-    # metrics.jsonl etc. on a full disk, or not uploaded to the bucket
-    if isinstance(cause, OSError) and (cause.errno or isinstance(cause, storage.UploadError)):
-        return checkpoint.storage_failure("writing the run files failed", cause,
-                                          cfg.run.storage_path,
+    # metrics.jsonl etc. on a full disk or not uploaded to the bucket; or a write of Ray's
+    # own to a failing bucket (its checkpoint record, between rank 0's save and our upload)
+    if isinstance(cause, OSError):
+        what = ("writing the run files failed" if cause.errno or isinstance(
+            cause, storage.UploadError) else "writing to the run's storage failed")
+        return checkpoint.storage_failure(what, cause, cfg.run.storage_path,
                                           _kept(cfg, getattr(cause, "kept", None)))
     restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
