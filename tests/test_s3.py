@@ -8,6 +8,7 @@ read back from the bucket with boto3. gs:// has no offline emulator: not tested 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import secrets
@@ -16,9 +17,9 @@ import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
-import yaml
 
 from raytrain import evaluate, fit, report, storage
 from tests.helpers import end_processes, free_port, wait_until
@@ -48,14 +49,6 @@ def _objects(bucket: str, prefix: str = "") -> dict[str, bytes]:
     return {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
-def _epochs(bucket: str, key: str) -> list[int]:
-    try:
-        body = _s3().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    except Exception:  # not there yet
-        return []
-    return [yaml.safe_load(line)["epoch"] for line in body.splitlines() if line.strip()]
-
-
 def test_tune_on_a_bucket_is_refused_in_one_line(capsys):
     assert fit.main([*QUICK, "--tune", "--storage-path", "s3://b/runs", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -74,8 +67,8 @@ def test_run_on_s3_then_reuse_refused_finished_evaluate_report(ray_cluster, buck
                  "model.pt", "checkpoint_epoch_0002/state.pt"):
         assert f"runs/a/{name}" in saved, sorted(saved)
     assert any(k.startswith("runs/a/tensorboard/") for k in saved), sorted(saved)
-    assert [r["epoch"] for r in map(yaml.safe_load, saved["runs/a/metrics.jsonl"].decode()
-                                    .splitlines())] == [1, 2]
+    assert [json.loads(line)["epoch"] for line in
+            saved["runs/a/metrics.jsonl"].decode().splitlines()] == [1, 2]
     assert b"AWS_SECRET" not in b"".join(saved.values())  # no credentials in run files
     from raytrain.models import build_model
 
@@ -110,7 +103,6 @@ def _driver(args, env=None):
 
 
 def _train_workers(address):
-    import psutil
     from ray.util.state import list_actors
 
     actors = list_actors(address=address, filters=[("class_name", "=", "RayTrainWorker"),
@@ -118,29 +110,45 @@ def _train_workers(address):
     return [psutil.Process(a.pid) for a in actors]
 
 
-def test_killed_driver_rerun_resumes_from_the_bucket(ray_cluster, bucket):
+def _rows(bucket: str, key: str) -> list[dict]:
+    try:
+        body = _s3().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    except Exception:  # not there yet
+        return []
+    return [json.loads(line) for line in body.splitlines() if line.strip()]
+
+
+def test_killed_worker_then_killed_driver_rerun_resumes_from_the_bucket(ray_cluster, bucket):
+    """A SIGKILLed worker is replaced and resumes from the checkpoint in the bucket; then the
+    driver is SIGKILLed and the same command, run where there is no local mirror, resumes."""
     address = ray_cluster.address_info["gcs_address"]
     uri = f"s3://{bucket}/runs"
-    args = [*QUICK, "--epochs", "6", "--storage-path", uri, "--name", "k",
-            "--address", address]
+    args = [*QUICK, "--epochs", "10", "--storage-path", uri, "--name", "k",
+            "--address", address, "--max-failures", "2"]
+    key = "runs/k/metrics.jsonl"
     first = _driver(args)
     try:
-        wait_until(lambda: _epochs(bucket, "runs/k/metrics.jsonl"), 180,
-                   "an epoch in the bucket", first)
+        wait_until(lambda: _rows(bucket, key), 180, "an epoch in the bucket", first)
+        victims = _train_workers(address)
+        assert len(victims) == 2
+        victims[-1].send_signal(signal.SIGKILL)
+        wait_until(lambda: any(r.get("resumed_from") for r in _rows(bucket, key)), 180,
+                   "an epoch of the replaced workers", first)
         first.send_signal(signal.SIGKILL)
         first.wait()
     finally:
         first.kill()
         first.stdout.close()
-    done = max(_epochs(bucket, "runs/k/metrics.jsonl"))
-    assert done < 6
+    rows = _rows(bucket, key)
+    assert rows[-1]["epoch"] < 10 and min(r["resumed_from"] for r in rows
+                                          if r.get("resumed_from")) >= 1
     wait_until(lambda: not _train_workers(address), 60, "the killed run's workers gone")
     shutil.rmtree(storage.mirror_of(uri), ignore_errors=True)  # resumed from another machine
     second = _driver(args)
     out, _ = second.communicate(timeout=300)
     assert second.returncode == 0, out
     assert "resuming run k from its epoch" in out, out
-    assert _epochs(bucket, "runs/k/metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert [r["epoch"] for r in _rows(bucket, key)] == list(range(1, 11))
     assert "runs/k/model.pt" in _objects(bucket, "runs/k/model")
 
 
@@ -159,13 +167,12 @@ def test_storage_refusing_writes_mid_run_fails_clearly_and_keeps_the_checkpoint(
     proc = _driver([*QUICK, "--epochs", "30", "--storage-path", uri, "--name", "f",
                     "--keep-checkpoints", "1"], env=env)
     try:
-        wait_until(lambda: len(_epochs(bucket, "runs/f/metrics.jsonl")) >= 2, 240,
+        wait_until(lambda: len(_rows(bucket, "runs/f/metrics.jsonl")) >= 2, 240,
                    "two epochs in the bucket", proc)
         server.stop()
         out, _ = proc.communicate(timeout=300)
     finally:
-        end_processes([p for p in __import__("psutil").process_iter()
-                       if _in_session(p, proc.pid)])
+        end_processes([p for p in psutil.process_iter() if _in_session(p, proc.pid)])
     assert proc.returncode == 1, out
     errors = [ln for ln in out.splitlines() if ln.startswith("raytrain: error:")]
     assert len(errors) == 1, out
