@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raytrain import files
+from raytrain import files, storage
 from raytrain.errors import RaytrainError
 
 FORMAT = "raytrain-checkpoint-v1"
@@ -161,7 +161,7 @@ def storage_failure(what: str, err: OSError, storage_path: str, kept: str) -> st
     """The one line for a write to --storage-path that failed (a full disk, failing storage):
     what failed and why, what is still there (``kept``), and what to do."""
     why = (f"[Errno {err.errno}] {os.strerror(err.errno)}" if err.errno else
-           str(err).strip().splitlines()[0][:200])
+           storage.first_line(err))
     fix = "free space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the storage"
     return (f"{what}: {why} (--storage-path {storage_path}); {kept}; {fix} and rerun the same "
             "command to resume")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.errors import ConfigError, RaytrainError  # noqa: F401 - re-exported
+from raytrain.storage import SCHEMES as STORAGE_SCHEMES, mirror_of
 
 BUILTIN = ("cifar10", "cifar100", "digits", "synthetic")
 STREAMING = ("imagefolder", "parquet")  # your own images, streamed by Ray Data
@@ -252,8 +253,9 @@ class RunSettings:
 
     name: str | None = _opt(None, "run name; the run directory is STORAGE_PATH/NAME "
                             "(default: run-YYYYmmdd-HHMMSS)")
-    storage_path: str = _opt("./runs", "where run directories and checkpoints live (shared "
-                             "storage for multi-node runs)")
+    storage_path: str = _opt("./runs", "where run directories and checkpoints live: a path "
+                             "(shared by all nodes for multi-node runs) or an s3://BUCKET/PREFIX "
+                             "or gs://BUCKET/PREFIX URI")
     seed: int = _opt(0, "seed for weights, shuffling and augmentation")
     log_every: int = _opt(0, "print the seed's loss line every N batches on rank 0 (0 = off)")
     checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
@@ -271,10 +273,14 @@ class RunSettings:
                "a whole number >= 1")
         _check(self.keep_checkpoints >= 1, "keep_checkpoints", self.keep_checkpoints,
                "a whole number >= 1")
-        _check("://" not in self.storage_path, "storage_path", self.storage_path,
-               "a file-system path (a shared mount such as EFS/NFS for multi-node runs; "
-               "object-store URIs are not supported yet)")
-        self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
+        if "://" in self.storage_path:  # a bucket: Ray Train and raytrain write through pyarrow
+            scheme, _, rest = self.storage_path.partition("://")
+            _check(scheme.lower() in STORAGE_SCHEMES and rest.strip("/") != "", "storage_path",
+                   self.storage_path, "a file-system path or an s3://BUCKET[/PREFIX] or "
+                   "gs://BUCKET[/PREFIX] URI")
+            self.storage_path = f"{scheme.lower()}://{rest.rstrip('/')}"
+        else:
+            self.storage_path = os.path.abspath(os.path.expanduser(self.storage_path))
 
 
 @dataclass
@@ -436,8 +442,19 @@ class TrainConfig:
         return self.optim.batch_size // self.cluster.max_workers
 
     @property
-    def run_dir(self) -> str:
+    def run_location(self) -> str:
+        """Where the run lives: STORAGE_PATH/NAME, a local path or a bucket URI."""
+        if "://" in self.run.storage_path:
+            return f"{self.run.storage_path}/{self.run.name}"
         return os.path.join(self.run.storage_path, self.run.name)
+
+    @property
+    def run_dir(self) -> str:
+        """The run's files on this machine: ``run_location`` itself, or for a bucket the
+        driver's local mirror of raytrain's run files (see raytrain/storage.py)."""
+        if "://" in self.run.storage_path:
+            return mirror_of(self.run_location)
+        return self.run_location
 
     def to_flat(self) -> dict[str, Any]:
         """The config as one flat dict (YAML and Ray's train_loop_config)."""
@@ -472,6 +489,9 @@ class TrainConfig:
 def check_search(cfg: TrainConfig) -> None:
     """--tune's checks that span sections (each section checked its own fields)."""
     t, epochs = cfg.tune, cfg.optim.epochs
+    if "://" in cfg.run.storage_path:  # trials write their files through the local file system
+        raise ConfigError("storage_path", cfg.run.storage_path, "a file-system path with --tune "
+                          "(searches on a bucket are not supported yet; single runs are)")
     for size in t.batch_size_choices():
         if size < cfg.cluster.max_workers:
             raise ConfigError("batch_sizes", t.batch_sizes, f"sizes of at least --num-workers "

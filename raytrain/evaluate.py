@@ -1,15 +1,20 @@
 """``python -m raytrain.evaluate PATH --dataset digits``: test loss/accuracy of saved weights.
 
 PATH is a run directory (uses its model.pt), a checkpoint directory, a checkpoint state.pt or
-an exported model.pt. Files are read with ``torch.load(weights_only=True)``: a file that holds
-anything but tensors and plain containers is refused and none of its code runs.
+an exported model.pt, on a local path or in a bucket (``s3://…``, ``gs://…``: what it needs is
+downloaded to a temporary directory first). Files are read with
+``torch.load(weights_only=True)``: a file that holds anything but tensors and plain containers
+is refused and none of its code runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import tempfile
+from typing import Iterator
 
 import torch
 
@@ -65,7 +70,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None)
     args = p.parse_args(argv)
     try:
-        weights, saved = read(args.path)
+        with local_copy(args.path) as path:
+            return _evaluate(args, path)
+    except RaytrainError as err:
+        print(f"raytrain: error: {err}", file=sys.stderr)
+        return 2
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[str]:
+    """``path`` itself, or for a bucket URI a local copy of what evaluating it reads."""
+    from raytrain import storage
+
+    if not storage.is_uri(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="raytrain-eval-") as tmp:
+        try:
+            if not storage.exists(path):
+                raise RaytrainError(f"{path}: no such file or directory")
+            yield storage.fetch_tree(path, tmp)
+        except OSError as err:
+            raise RaytrainError(f"{path}: cannot read it ({storage.first_line(err)})") from None
+
+
+def _evaluate(args: argparse.Namespace, path: str) -> int:
+    try:
+        weights, saved = read(path)
         dataset = args.dataset or saved.get("dataset")
         model = args.model or saved.get("model", "seed-cnn")
         if dataset is None:
@@ -74,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                                 f"{', '.join(DATASETS)}) and --model")
         if dataset not in DATASETS:
             raise ConfigError("dataset", dataset, "one of " + ", ".join(DATASETS))
-        result = evaluate_path(args.path, model, dataset, args.data_dir or saved.get("data_dir"),
+        result = evaluate_path(path, model, dataset, args.data_dir or saved.get("data_dir"),
                                saved.get("stem", "auto"), saved.get("normalize", "dataset"),
                                saved.get("image_size"), weights=weights)
     except RaytrainError as err:

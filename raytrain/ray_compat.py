@@ -137,19 +137,21 @@ CHECKPOINT_SNAPSHOT = "ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPS
 
 
 def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
-    """(the checkpoint directory names Ray Train references in ``run_dir``, the latest one's
-    name); (set(), None) before it registered any; None where this Ray's record is unknown."""
+    """(the checkpoint directory names Ray Train references in ``run_dir``, a path or a bucket
+    URI; the latest one's name); (set(), None) before it registered any; None where this Ray's
+    record is unknown."""
     filename = _internal("ray.train.v2._internal.constants",
                          "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
     if filename is None:
         warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
         return None
-    path = os.path.join(run_dir, filename)
-    if not os.path.exists(path):
+    from raytrain import storage
+
+    data = storage.read_bytes(storage.join(run_dir, filename))  # a local path or a bucket URI
+    if data is None:
         return set(), None
     try:
-        with open(path) as f:
-            snapshot = json.load(f)
+        snapshot = json.loads(data)
         results = [*snapshot["checkpoint_results"], *snapshot.get("pending_training_results", [])]
         latest = snapshot["latest_checkpoint_result"]
         names = {r["checkpoint_dir_name"] for r in results}

@@ -1,6 +1,8 @@
 """A run's files: metrics.jsonl/csv, events.jsonl, its summary table, epoch lines and plots.
 
-``python -m raytrain.report RUN_DIR`` re-draws the plot and prints the summary of a run.
+``python -m raytrain.report RUN_DIR`` re-draws the plot and prints the summary of a run;
+RUN_DIR may be a bucket URI (``s3://BUCKET/PREFIX/NAME``): its metrics are downloaded and the
+plot is uploaded beside them.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from raytrain import files
+from raytrain import files, storage
 from raytrain.errors import RaytrainError
 from raytrain.files import EVENTS_FILE, METRICS_FILE
 
@@ -128,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m raytrain.report",
                                      description="Summarise a finished run and re-draw plots.")
-    parser.add_argument("run_dir")
+    parser.add_argument("run_dir", help="a run directory or its bucket URI")
     args = parser.parse_args(argv)
+    if storage.is_uri(args.run_dir):
+        return _main_uri(args.run_dir)
     rows = read_metrics(args.run_dir)
     if not rows:
         print(f"raytrain: error: {args.run_dir}: no metrics.jsonl", file=sys.stderr)
@@ -137,6 +141,32 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(rows))
     print("\n".join(accuracy_lines(rows)))
     print(f"plot: {plot_curves(args.run_dir, rows)}")
+    return 0
+
+
+def _main_uri(uri: str) -> int:
+    """report on a run in a bucket: metrics downloaded to a temporary directory, the plot
+    drawn there and uploaded beside them."""
+    import tempfile
+
+    uri = uri.rstrip("/")
+    with tempfile.TemporaryDirectory(prefix="raytrain-report-") as tmp:
+        local = os.path.join(tmp, os.path.basename(uri))
+        try:
+            storage.download(uri, local, (METRICS_FILE,))
+        except OSError as err:
+            raise RaytrainError(f"{uri}: cannot read it ({storage.first_line(err)})") from None
+        rows = read_metrics(local)
+        if not rows:
+            raise RaytrainError(f"{uri}: no metrics.jsonl")
+        print(summary_table(rows))
+        print("\n".join(accuracy_lines(rows)))
+        plot_curves(local, rows)
+        try:
+            storage.upload(local, uri, ("learning_curves.png",))
+        except storage.UploadError as err:
+            raise RaytrainError(str(err)) from None
+    print(f"plot: {storage.join(uri, 'learning_curves.png')}")
     return 0
 
 

@@ -84,7 +84,7 @@ def _bad_inputs(tmp):
         (["--config", str(unknown)], "learning_rate (in unknown.yaml)"),
         (["--config", str(bad_lr_yaml)], "lr (in badlr.yaml)"),
         (["--epochs", "2.5"], "--epochs"),
-        (["--storage-path", "s3://bucket/runs"], "--storage-path"),
+        (["--storage-path", "hdfs://bucket/runs"], "--storage-path"),
         (["--no-such-flag"], "unrecognized arguments"),
         (["--storage-path", str(readonly / "runs"), "--dataset", "digits"], "--storage-path"),
     ]

@@ -70,7 +70,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from raytrain import ray_compat
+from raytrain import ray_compat, storage
 from raytrain.errors import ConfigError, RaytrainError
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -90,19 +90,7 @@ def resolve_fs(data_dir: str):
     pyarrow 26's S3FileSystem takes the endpoint from ``AWS_ENDPOINT_URL`` (checked by the S3
     test against a local moto server); credentials from the usual AWS variables/files.
     """
-    import pyarrow.fs as pafs
-
-    if "://" in data_dir:
-        try:
-            fs, path = pafs.FileSystem.from_uri(data_dir)
-        except Exception as err:
-            raise ConfigError("data_dir", data_dir, f"a local path or an s3:// or gs:// URI "
-                              f"pyarrow can open ({type(err).__name__}: {str(err)[:100]})"
-                              ) from None
-        return fs, path.rstrip("/")
-    return pafs.LocalFileSystem(), os.path.abspath(data_dir)
-
-
+    return storage.resolve_fs(data_dir, "data_dir")
 
 
 def _subdirs(fs, path: str) -> list[str]:

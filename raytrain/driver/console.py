@@ -43,7 +43,7 @@ def dry_run_text(cfg: TrainConfig) -> str:
                  c.use_gpu],
              f"batch: {cfg.optim.batch_size} global = {cfg.per_worker_batch} per worker x "
              f"{c.max_workers} workers",
-             f"run directory: {cfg.run_dir}"]
+             f"run directory: {cfg.run_location}"]
     return "\n".join(lines)
 
 

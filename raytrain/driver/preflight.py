@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from raytrain import ray_compat
+from raytrain import ray_compat, storage
 from raytrain.config import NUM_CLASSES, TrainConfig
 from raytrain.errors import ConfigError, RaytrainError
 
@@ -144,7 +144,15 @@ def check_streamed_data(cfg: TrainConfig) -> int:
 
 def check_storage_writable(storage_path: str, create: bool = True) -> None:
     """--storage-path can hold run directories. ``create=False`` (before Ray starts, and
-    --dry-run) leaves nothing: it tries the nearest existing directory on the path instead."""
+    --dry-run) leaves nothing: it tries the nearest existing directory on the path instead.
+    A bucket URI: one small object is written and deleted (what the run's credentials allow)."""
+    if storage.is_uri(storage_path):
+        try:
+            storage.check_writable(storage_path)
+        except OSError as err:
+            raise RaytrainError(f"--storage-path {storage_path}: not writable "
+                                f"({storage.first_line(err)})") from None
+        return
     try:
         if create:
             os.makedirs(storage_path, exist_ok=True)

@@ -12,13 +12,12 @@ import json
 import os
 import shutil
 import time
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from raytrain import checkpoint, files, ray_compat, report
+from raytrain import checkpoint, files, ray_compat, report, storage
 from raytrain.config import FIELDS, TrainConfig
 from raytrain.driver import console, tracking
 from raytrain.driver.cluster import train_env
@@ -48,11 +47,41 @@ class Summary:
 
 # ---------------------------------------------------------------------------- run dir
 
+# A run on a bucket: raytrain's files, uploaded from the driver's mirror (raytrain/storage.py)
+# after every epoch (EPOCH_FILES) and when the run ends (RUN_FILES; model.pt last: a run whose
+# model.pt is in the bucket counts as finished).
+EPOCH_FILES = (files.METRICS_FILE, "metrics.csv", files.EVENTS_FILE, "tensorboard")
+RUN_FILES = ("config.yaml", "classes.json", "mlflow_run_id", *EPOCH_FILES, "learning_curves.png",
+             "model.pt")
+
+
+def upload_run_files(cfg: TrainConfig, names: tuple[str, ...] = RUN_FILES) -> None:
+    """Copy ``names`` from the mirror to the run on the bucket (nothing for a local run);
+    a storage.UploadError names the first file that failed."""
+    if storage.is_uri(cfg.run_location):
+        storage.upload(cfg.run_dir, cfg.run_location, names)
+
+
+def _upload_quietly(cfg: TrainConfig) -> None:
+    """On the way out of a failed or interrupted run: what can still be uploaded is (the
+    failure being raised names what went wrong)."""
+    try:
+        upload_run_files(cfg)
+    except OSError:
+        pass
+
 
 def saved_epochs(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
     """The epoch the run directory's checkpoints reach (0: a new run, or --fresh). A run
     directory holding a different config is refused unless --resume or --fresh. Reads only:
-    it runs before any Ray process starts."""
+    it runs before any Ray process starts. A run on a bucket: its small files are downloaded
+    into the mirror first (the bucket is the truth; any machine can resume it)."""
+    if storage.is_uri(cfg.run_location) and not fresh:
+        try:
+            storage.pull(cfg.run_location, cfg.run_dir)
+        except OSError as err:
+            raise RaytrainError(f"--storage-path {cfg.run.storage_path}: cannot read "
+                                f"{cfg.run_location} ({storage.first_line(err)})") from None
     saved_path = os.path.join(cfg.run_dir, "config.yaml")
     if fresh or not os.path.exists(saved_path):
         return 0
@@ -66,19 +95,19 @@ def saved_epochs(cfg: TrainConfig, resume: bool = False, fresh: bool = False) ->
         raise RaytrainError(f"--name {cfg.run.name}: {cfg.run_dir} holds a run with another "
                             f"config ({diff}); pass --resume to continue it with these "
                             "settings, --fresh to delete it and start over, or another --name")
-    return latest_checkpoint_epoch(cfg.run_dir)
+    return latest_checkpoint_epoch(cfg.run_location)
 
 
 def finished(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> Summary | None:
     """The run's Summary when it has already trained every epoch (nothing to train), else
     None; refuses another config as ``saved_epochs`` does. Needs no cluster."""
     done = saved_epochs(cfg, resume, fresh)
-    model_path = os.path.join(cfg.run_dir, "model.pt")
-    if done < cfg.optim.epochs or not os.path.exists(model_path):
+    model_path = storage.join(cfg.run_location, "model.pt")
+    if done < cfg.optim.epochs or not storage.exists(model_path):
         return None
     print(f"run {cfg.run.name} already finished all {done} epochs; nothing to train "
           "(--fresh starts over)", flush=True)
-    return Summary(cfg.run_dir, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
+    return Summary(cfg.run_location, report.read_metrics(cfg.run_dir), 0.0, None, model_path)
 
 
 def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False) -> int:
@@ -89,36 +118,51 @@ def prepare_run_dir(cfg: TrainConfig, resume: bool = False, fresh: bool = False)
     """
     check_storage_writable(cfg.run.storage_path)
     done = saved_epochs(cfg, resume, fresh)
+    if fresh and storage.is_uri(cfg.run_location):
+        try:
+            storage.delete_dir(cfg.run_location)
+        except OSError as err:
+            raise RaytrainError(f"--fresh: cannot delete {cfg.run_location} "
+                                f"({storage.first_line(err)})") from None
     if fresh and os.path.isdir(cfg.run_dir):
         shutil.rmtree(cfg.run_dir)
     os.makedirs(cfg.run_dir, exist_ok=True)
     files.atomic_write(os.path.join(cfg.run_dir, "config.yaml"),
                        yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    try:
+        upload_run_files(cfg, ("config.yaml",))
+    except storage.UploadError as err:
+        raise RaytrainError(f"--storage-path {cfg.run.storage_path}: {err}") from None
     return done
 
 
-def latest_checkpoint_epoch(run_dir: str) -> int:
+def latest_checkpoint_epoch(run_location: str) -> int:
     """The epoch a re-run resumes after: the newest checkpoint Ray Train registered (the one
     its workers get; rank 0 writes a checkpoint's directory before Ray registers it, and a
     Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
-    short has no state file or a truncated one: torch.save writes a zip, its directory last)."""
-    registered = ray_compat.registered_checkpoints(run_dir)
-    epochs = [int(d.rsplit("_", 1)[1]) for d in os.listdir(run_dir)
+    short has no state file or a truncated one: torch.save writes a zip, its directory last).
+    ``run_location``: a path or a bucket URI."""
+    registered = ray_compat.registered_checkpoints(run_location)
+    epochs = [int(d.rsplit("_", 1)[1]) for d in storage.listdir(run_location)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
               and (registered is None or d in registered[0])
-              and zipfile.is_zipfile(os.path.join(run_dir, d, checkpoint.STATE_FILE))]
+              and storage.is_zip(storage.join(run_location, d, checkpoint.STATE_FILE))]
     return max(epochs, default=0)
 
 
-def prune_checkpoints(run_dir: str) -> None:
+def prune_checkpoints(run_location: str) -> None:
     """Delete the checkpoint directories Ray Train does not reference (one cut off by Ctrl-C
-    before it was registered): what is left is what --keep-checkpoints keeps."""
-    registered = ray_compat.registered_checkpoints(run_dir)
-    if registered is None or not os.path.isdir(run_dir):
-        return
-    for d in os.listdir(run_dir):
-        if d.startswith("checkpoint_epoch_") and d not in registered[0]:
-            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+    before it was registered): what is left is what --keep-checkpoints keeps. Storage that
+    cannot be read or written now (a failing bucket) is left as it is."""
+    try:
+        registered = ray_compat.registered_checkpoints(run_location)
+        if registered is None:
+            return
+        for d in storage.listdir(run_location):
+            if d.startswith("checkpoint_epoch_") and d not in registered[0]:
+                storage.delete_dir(storage.join(run_location, d))
+    except OSError:
+        pass
 
 
 def checkpoint_config(keep: int):
@@ -158,7 +202,8 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             # A finite controller limit: no failure is retried forever.
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
-            callbacks=callbacks if callbacks is not None else [RunFiles(cfg.run_dir)],
+            callbacks=callbacks if callbacks is not None else [
+                RunFiles(cfg.run_dir, cfg.run_location)],
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
@@ -183,7 +228,7 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
                       "n_val": counts["val"]}
     return {"train_loop_config": flat, "datasets": datasets,
             "dataset_config": streaming.data_config(
-                functools.partial(latest_checkpoint_epoch, cfg.run_dir))}
+                functools.partial(latest_checkpoint_epoch, cfg.run_location))}
 
 
 def _run_files_base():
@@ -194,14 +239,19 @@ def _run_files_base():
 
 class RunFiles(_run_files_base()):
     """Train-controller callback (runs on the driver's node): writes metrics.jsonl/.csv and
-    events.jsonl in the run directory after every report."""
+    events.jsonl in the run directory after every report; a run on a bucket: in the driver's
+    mirror, then uploads them to ``run_location``."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, run_location: str | None = None):
         self.run_dir = run_dir
+        self.run_location = run_location or run_dir
         self._tensorboard = None
+        self._saved = 0  # the epoch of the latest checkpoint reported: in storage already
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
         m = metrics[0]
+        if checkpoint is not None:
+            self._saved = m["epoch"]
         report.record_epoch(self.run_dir, m)
         if self._tensorboard is None:
             from tensorboardX import SummaryWriter
@@ -210,6 +260,13 @@ class RunFiles(_run_files_base()):
         for key in report.METRICS[1:]:
             self._tensorboard.add_scalar(key, m[key], m["epoch"])
         self._tensorboard.flush()
+        if storage.is_uri(self.run_location):
+            try:
+                storage.upload(self.run_dir, self.run_location, EPOCH_FILES)
+            except storage.UploadError as err:
+                if "error" not in m:  # else the run stops on the failure m names already
+                    err.kept = self._saved  # the bucket may not answer the driver's question
+                    raise
 
     def after_exception(self, run_context, worker_exceptions) -> None:
         rank, err = sorted(worker_exceptions.items())[0]
@@ -245,24 +302,37 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
             except (KeyboardInterrupt, SystemExit):  # Ray's Ctrl-C handler aborted the run
                 result = None
             except Exception as err:  # Ray raises TrainingFailedError past the failure budget
+                _upload_quietly(cfg)
                 raise TrainingError(_failed(cfg, err)) from None
             finally:  # the controller is gone: nothing registers a checkpoint any more
-                prune_checkpoints(cfg.run_dir)
+                prune_checkpoints(cfg.run_location)
         if result is not None and result.error is not None:
+            _upload_quietly(cfg)
             raise TrainingError(_failed(cfg, result.error))
         rows = report.read_metrics(cfg.run_dir)
         if rows and "error" in rows[-1]:
+            _upload_quietly(cfg)
             raise TrainingError(rows[-1]["error"])
         if not rows or rows[-1]["epoch"] < cfg.optim.epochs:  # Ctrl-C: Ray aborted the run
+            _upload_quietly(cfg)
             raise Interrupted(f"interrupted after epoch {rows[-1]['epoch'] if rows else 0} "
                               f"of {cfg.optim.epochs}; rerun the same command to resume")
         model_path = export_model(cfg.run_dir, result.checkpoint)
         report.plot_curves(cfg.run_dir, rows)
         tracker.finish("FINISHED")  # model.pt, learning_curves.png, config.yaml
+        if storage.is_uri(cfg.run_location):
+            try:
+                upload_run_files(cfg)
+            except storage.UploadError as err:
+                raise TrainingError(checkpoint.storage_failure(
+                    "the run trained but its files did not reach the bucket", err,
+                    cfg.run.storage_path, f"{_kept(cfg)}; the files are in {cfg.run_dir}")
+                ) from None
+            model_path = storage.join(cfg.run_location, "model.pt") if model_path else None
     # The first epoch this command trained (a worker group restarted after a failure adds a
     # later first_step_at; a resumed run's earlier rows are older than started_at).
     first = [r for r in rows if r.get("first_step_at", 0) > started_at]
-    return Summary(cfg.run_dir, rows, time.time() - started_at,
+    return Summary(cfg.run_location, rows, time.time() - started_at,
                    first[0]["first_step_at"] - started_at if first else None, model_path,
                    report.startup_phases(started_at, driver, first[0]) if first else None)
 
@@ -281,13 +351,29 @@ def export_model(run_dir: str, ckpt) -> str | None:
     return path
 
 
+def _kept(cfg: TrainConfig, saved: int | None = None) -> str:
+    """What a storage failure left: the latest checkpoint, as the storage says or, where it
+    cannot answer, as ``saved`` (the latest epoch reported with a checkpoint) or the metrics
+    say (an epoch is recorded after Ray Train registered its checkpoint)."""
+    try:
+        done = latest_checkpoint_epoch(cfg.run_location)
+    except OSError:
+        every = cfg.run.checkpoint_every
+        done = saved if saved is not None else max(
+            (r["epoch"] for r in report.read_metrics(cfg.run_dir)
+             if "error" not in r and r["epoch"] % every == 0), default=0)
+    return f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
+
+
 def _failed(cfg: TrainConfig, err: BaseException) -> str:
     cause = getattr(err, "controller_failure", None)  # Ray's ControllerError
-    if isinstance(cause, OSError) and cause.errno:  # metrics.jsonl etc. on a full disk
-        done = latest_checkpoint_epoch(cfg.run_dir)
-        kept = f"the epoch {done} checkpoint is intact" if done else "no checkpoint was saved"
-        return checkpoint.storage_failure("writing the run files failed", cause,
-                                          cfg.run.storage_path, kept)
+    # metrics.jsonl etc. on a full disk or not uploaded to the bucket; or a write of Ray's
+    # own to a failing bucket (its checkpoint record, between rank 0's save and our upload)
+    if isinstance(cause, OSError):
+        what = ("writing the run files failed" if cause.errno or isinstance(
+            cause, storage.UploadError) else "writing to the run's storage failed")
+        return checkpoint.storage_failure(what, cause, cfg.run.storage_path,
+                                          _kept(cfg, getattr(cause, "kept", None)))
     restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
     return (f"training failed ({short(err)}; {restarts} worker failure(s), --max-failures "
