@@ -4,6 +4,7 @@ waits on real conditions, run files, file systems."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
@@ -68,6 +69,18 @@ def end_processes(procs: list[psutil.Process], grace_s: float = 10) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+def fit_in_process(*argv: str) -> tuple[int, str, str]:
+    """``raytrain.fit.main`` in this process (on the session's cluster): rc, stdout, stderr
+    (also printed, for pytest's report of a failure)."""
+    from raytrain import fit
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = fit.main(list(argv))
+    print(out.getvalue(), err.getvalue())
+    return rc, out.getvalue(), err.getvalue()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,9 +9,7 @@ its own in a PID namespace, where ``ray stop`` can only see the processes that t
 
 from __future__ import annotations
 
-import contextlib
 import csv
-import io
 import json
 import math
 import os
@@ -29,19 +27,14 @@ from raytrain import fit
 from raytrain.worker import local as loop
 from raytrain.config import ConfigError
 from raytrain.models import SeedCNN
+from tests.helpers import fit_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 DIGITS_TRAIN, DIGITS_TEST = 1437, 360  # the bundled digits split (chance accuracy: 0.10)
 
 
-def _fit(*argv: str) -> tuple[int, str, str]:
-    """``raytrain.fit.main`` in this process (on the session's cluster): rc, stdout, stderr."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = fit.main(list(argv))
-    print(out.getvalue(), err.getvalue())
-    return rc, out.getvalue(), err.getvalue()
+_fit = fit_in_process  # raytrain.fit.main here: rc, stdout, stderr
 
 
 def _jsonl(path) -> list[dict]:

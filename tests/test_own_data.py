@@ -7,7 +7,6 @@ stray non-image files; 359 val images, which no worker count here divides.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -19,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain import evaluate, fit
+from raytrain import evaluate
 from raytrain.data import load_dataset
-from tests.helpers import metrics, wait_for_epoch
+from tests.helpers import fit_in_process, metrics, wait_for_epoch
 
 N_VAL = 359
 MODES = [("L", ".png", 32), ("RGB", ".jpg", 40), ("RGBA", ".png", 28), ("P", ".png", 36),
@@ -65,12 +64,7 @@ def small_folder(tmp_path_factory):
     return write_digits_folder(tmp_path_factory.mktemp("small-folder"), per_class=12)
 
 
-def _fit(*argv: str) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = fit.main(list(argv))
-    print(out.getvalue(), err.getvalue())
-    return rc, out.getvalue(), err.getvalue()
+_fit = fit_in_process  # raytrain.fit.main here: rc, stdout, stderr
 
 
 def _events(run_dir) -> list[dict]:
