@@ -307,3 +307,25 @@ def test_streams_a_dataset_several_times_the_object_store_with_bounded_worker_me
     print("worker peak RSS MiB", rows[0]["worker_rss_mb"], "growth over the epoch",
           rows[0]["worker_rss_growth_mb"])
     assert rows[0]["worker_rss_growth_mb"] < 60 and rows[0]["worker_rss_mb"] < 2048, rows
+
+
+def test_trains_from_an_image_folder_in_a_bucket(ray_cluster, s3_server, small_folder,
+                                                 tmp_path):
+    """--data-dir s3://...: listed by the driver, read by Ray Data's tasks (their credentials
+    and endpoint from the environment, as every node of a cluster has them), one epoch."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="own-images")
+    for dirpath, _, names in os.walk(small_folder):
+        for name in names:
+            local = os.path.join(dirpath, name)
+            s3.upload_file(local, "own-images", "digits/" + os.path.relpath(local, small_folder))
+    rc, _, err = _fit("--dataset", "imagefolder", "--data-dir", "s3://own-images/digits",
+                      "--image-size", "32", "--num-workers", "1", "--batch-size", "16",
+                      "--epochs", "1", "--storage-path", str(tmp_path), "--name", "s3data")
+    assert rc == 0, err
+    (row,) = metrics(tmp_path / "s3data")
+    local = len([f for _, _, fs in os.walk(os.path.join(small_folder, "val")) for f in fs
+                 if f != "README"])
+    assert row["test_count"] == local and row["train_count"] == 120 // 16 * 16
