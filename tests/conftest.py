@@ -39,3 +39,28 @@ def ray_cluster(s3_server):
     ctx = ray.init(address="local", num_cpus=2, logging_level="WARNING")
     yield ctx
     ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def cluster_idle_before(request):
+    """A test on the session's cluster starts when the cluster's 2 CPUs are free again: Ray
+    frees an ended run's (or Tune trial's) placement group asynchronously, and a run that
+    starts before would wait Ray Train's 60 s for its workers and fail. Names what still
+    holds CPUs after 90 s."""
+    if "ray_cluster" in request.fixturenames:
+        import time
+
+        import ray
+
+        request.getfixturevalue("ray_cluster")  # started first
+
+        deadline = time.monotonic() + 90
+        while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+            if time.monotonic() > deadline:
+                from ray.util import placement_group_table
+
+                held = {k: v for k, v in placement_group_table().items()
+                        if v.get("state") != "REMOVED"}
+                pytest.fail(f"the session cluster's CPUs are still held: {held}")
+            time.sleep(0.5)
+    yield
