@@ -570,9 +570,8 @@ def check_data_cpus(cluster_cpus: float, num_workers: int, cpus_per_worker: floa
     if data_cpus <= 0 or left + 1e-9 < data_cpus:
         runs = f" x {concurrent_runs} concurrent trials" if concurrent_runs > 1 else ""
         raise ConfigError("data_cpus", data_cpus, f"a positive number of CPUs left for Ray Data "
-                          f"by {num_workers} workers x {cpus_per_worker:g} CPUs{runs} of the "
-                          f"cluster's {cluster_cpus:g} free CPUs ({max(left, 0):g} left per "
-                          "run); use "
+                          f"by {num_workers} workers x {cpus_per_worker:g} CPUs{runs} on a "
+                          f"{cluster_cpus:g}-CPU cluster ({max(left, 0):g} left per run); use "
                           f"fewer workers or --cpus-per-worker {max((cluster_cpus / max(concurrent_runs, 1) - data_cpus) / num_workers, 0):.2g}")
     return left
 

@@ -262,10 +262,7 @@ def preflight(cfg: TrainConfig) -> Shape:
     import ray
 
     c = cfg.cluster
-    # CPUs held by others now (another run, a placement group being freed) are not there for
-    # this run's Ray Data tasks: a pipeline without a CPU never starts (a hang, not an error).
-    size_data_cpus(cfg, min(ray.cluster_resources().get("CPU", 0.0),
-                            ray.available_resources().get("CPU", 0.0)))
+    size_data_cpus(cfg, ray.cluster_resources().get("CPU", 0.0))
     groups = autoscaling_groups()
     use_gpu = resolve_gpu(cfg, groups)
     need = {"CPU": c.worker_cpus} | ({"GPU": 1.0} if use_gpu else {})
