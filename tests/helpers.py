@@ -83,6 +83,20 @@ def fit_in_process(*argv: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+def upload_folder(folder, bucket: str, prefix: str) -> str:
+    """Copy ``folder``'s files into a new ``bucket`` of the session's S3 server (the
+    ``s3_server`` fixture's environment) under ``prefix``; returns ``s3://bucket/prefix``."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=bucket)
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            local = os.path.join(dirpath, name)
+            s3.upload_file(local, bucket, f"{prefix}/{os.path.relpath(local, folder)}")
+    return f"s3://{bucket}/{prefix}"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
     with socket.socket() as s:

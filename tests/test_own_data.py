@@ -20,7 +20,7 @@ import torch
 
 from raytrain import evaluate
 from raytrain.data import load_dataset
-from tests.helpers import fit_in_process, metrics, wait_for_epoch
+from tests.helpers import fit_in_process, metrics, upload_folder, wait_for_epoch
 
 N_VAL = 359
 MODES = [("L", ".png", 32), ("RGB", ".jpg", 40), ("RGBA", ".png", 28), ("P", ".png", 36),
@@ -313,15 +313,8 @@ def test_trains_from_an_image_folder_in_a_bucket(ray_cluster, s3_server, small_f
                                                  tmp_path):
     """--data-dir s3://...: listed by the driver, read by Ray Data's tasks (their credentials
     and endpoint from the environment, as every node of a cluster has them), one epoch."""
-    import boto3
-
-    s3 = boto3.client("s3")
-    s3.create_bucket(Bucket="own-images")
-    for dirpath, _, names in os.walk(small_folder):
-        for name in names:
-            local = os.path.join(dirpath, name)
-            s3.upload_file(local, "own-images", "digits/" + os.path.relpath(local, small_folder))
-    rc, _, err = _fit("--dataset", "imagefolder", "--data-dir", "s3://own-images/digits",
+    uri = upload_folder(small_folder, "own-images", "digits")
+    rc, _, err = _fit("--dataset", "imagefolder", "--data-dir", uri,
                       "--image-size", "32", "--num-workers", "1", "--batch-size", "16",
                       "--epochs", "1", "--storage-path", str(tmp_path), "--name", "s3data")
     assert rc == 0, err

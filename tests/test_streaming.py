@@ -14,6 +14,7 @@ import torch
 
 from raytrain.errors import ConfigError
 from raytrain.data import streaming
+from tests.helpers import upload_folder
 
 SIZE = 16
 TIMEOUT_S = 120
@@ -350,14 +351,7 @@ def test_check_data_cpus():
 
 
 def test_s3_listing_and_reading(ray_local, folder, s3_server):
-    import boto3
-
-    s3 = boto3.client("s3")
-    s3.create_bucket(Bucket="images")
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            local = os.path.join(dirpath, f)
-            s3.upload_file(local, "images", "data/" + os.path.relpath(local, folder))
+    upload_folder(folder, "images", "data")
     listing = streaming.list_image_folder("s3://images/data")
     local = streaming.list_image_folder(folder)
     assert listing.class_names == local.class_names and listing.counts == local.counts
