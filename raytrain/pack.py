@@ -82,19 +82,14 @@ def rows_per_shard(table, fs, shard_mb: float, short_side: int | None) -> int:
 def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 256,
          seed: int = 0, listing: streaming.Listing | None = None) -> dict[str, int]:
     """Write OUT/{train,val}/*.parquet and OUT/classes.json; returns rows per split."""
-    import ray.data
 
     listing = listing or streaming.list_image_folder(src)
     src_fs, src_root = streaming.resolve_fs(src)
     out_fs, out_root = streaming.resolve_fs(out)
     out_fs.create_dir(out_root, recursive=True)
     for split, table in listing.tables.items():
-        step = streaming._rows_per_block(table.num_rows)
-        ds = ray.data.from_arrow([table.slice(i, step) for i in range(0, table.num_rows, step)])
-        if split == "train":
-            ds = ds.random_shuffle(seed=seed)
-        ds = ds.map_batches(PackFn(src_fs, src_root, short_side), batch_size=32,
-                            batch_format="numpy")
+        ds = streaming.listing_dataset(table, 32, shuffle=split == "train", seed=seed,
+                                       fn=PackFn(src_fs, src_root, short_side))
         per_file = rows_per_shard(table, src_fs, shard_mb, short_side)
         ds.write_parquet(f"{out_root}/{split}", filesystem=out_fs,
                          min_rows_per_file=per_file, max_rows_per_file=per_file)
