@@ -9,6 +9,17 @@ workers (its driver side imports Ray; its worker side only torch).
     data = load_dataset("digits")
 """
 
-from raytrain.data.builtin import (Augment, Dataset, InMemory, batches,  # noqa: F401
-                                   crop_and_flip, epoch_shard, eval_shard, load_dataset,
-                                   steps_per_epoch)
+
+_BUILTIN = ("Augment", "Dataset", "InMemory", "batches", "crop_and_flip", "epoch_shard",
+            "eval_shard", "load_dataset", "steps_per_epoch")
+__all__ = list(_BUILTIN)
+
+
+def __getattr__(name: str):
+    # Lazy: Ray Data's decode tasks import raytrain.data.streaming, which needs no torch; an
+    # eager import of builtin here cost each task process 1.3 s of torch import.
+    if name in _BUILTIN:
+        from raytrain.data import builtin
+
+        return getattr(builtin, name)
+    raise AttributeError(f"module 'raytrain.data' has no attribute {name!r}")
