@@ -22,6 +22,7 @@ QUICK = {
     "gpu_throughput.py": ["--device", "cpu", "--quick", "--skip-run-worker"],
     "asha_replay.py": ["--quick"],
     "folder_ingest.py": ["--quick"],
+    "listing.py": ["--quick"],
     "recipe_effects.py": ["--quick"],
     "seed_ddp.py": ["--quick"],
 }

@@ -68,7 +68,8 @@ def test_more_failures_than_allowed_fail_clearly(address, tmp_path):
 
 
 def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path):
-    args = [*SLOW, "--epochs", "4", "--storage-path", str(tmp_path)]
+    # Half SLOW's epoch: three 4-epoch runs; an epoch still outlasts the kill's polling
+    args = [*SLOW, "--synthetic-size", "8000", "--epochs", "4", "--storage-path", str(tmp_path)]
     straight = _driver(address, [*args, "--name", "straight"])
     out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, out

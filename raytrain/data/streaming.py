@@ -160,10 +160,31 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
+def _walk_local(split_path: str) -> dict[str, list[tuple[str, int]]]:
+    """``_list_classes`` on a local/NFS path with ``os.scandir`` (torchvision's walk): 4x
+    faster than pyarrow's FileInfo objects (benchmarks/listing.py: 110k files in 0.2 s)."""
+    classes: dict[str, list[tuple[str, int]]] = {}
+    with os.scandir(split_path) as top:
+        dirs = sorted(e.name for e in top if e.is_dir(follow_symlinks=True))
+    for cls in dirs:
+        found, stack = [], [os.path.join(split_path, cls)]
+        while stack:
+            with os.scandir(stack.pop()) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=True):
+                        stack.append(e.path)
+                    elif _is_image(e.name):
+                        found.append((e.path, e.stat().st_size))
+        classes[cls] = sorted(found)
+    return classes
+
+
 def _list_classes(fs, split_path: str) -> dict[str, list[tuple[str, int]]]:
     """class folder -> sorted (image path, size in bytes), recursive like ImageFolder's walk."""
     import pyarrow.fs as pafs
 
+    if isinstance(fs, pafs.LocalFileSystem):
+        return _walk_local(split_path)
     infos = fs.get_file_info(pafs.FileSelector(split_path, recursive=True))
     prefix = split_path.rstrip("/") + "/"
     classes: dict[str, list[str]] = {c: [] for c in _subdirs(fs, split_path)}
