@@ -90,10 +90,13 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         train = train_epoch(ddp, source, aug, optimizer, scheduler, scaler, amp_dtype, worker,
                             cfg, epoch, steps, micro, ema)
         step += steps
-        test = evaluate(model, source, aug, amp_dtype, worker, batch)
+        # The average is evaluated beside the raw weights, in the same pass over the test split
+        # (streamed: one decode of the val images per epoch, not two).
+        test = evaluate(model, source, aug, amp_dtype, worker, batch,
+                        also=[ema.module] if ema is not None else ())
         metrics = epoch_metrics(epoch, train, test, optimizer, cfg.data.skip_bad_images)
-        if ema is not None:  # the average, evaluated beside the raw weights
-            ema_test = evaluate(ema.module, source, aug, amp_dtype, worker, batch)["sums"]
+        if ema is not None:
+            ema_test = test["also"][0]
             metrics.update(test_loss_ema=ema_test[0] / max(ema_test[2], 1),
                            test_acc_ema=ema_test[1] / max(ema_test[2], 1))
         if not cfg.data.streaming:  # in memory: no waiting for data to speak of
@@ -383,15 +386,19 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, batch: int
-             ) -> dict[str, Any]:
+def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, batch: int,
+             also: list[nn.Module] | tuple = ()) -> dict[str, Any]:
     """Loss and accuracy over the whole test split, each sample on exactly one worker.
 
     Uses the unwrapped model: DDP's forward would add collectives that uneven shards break.
-    Images that could not be decoded are left out, and named.
+    Images that could not be decoded are left out, and named. ``also``: more models
+    evaluated on the same batches; their (loss sum, correct, n) are in ``"also"``.
     """
-    model.eval()
-    sums = torch.zeros(4, dtype=torch.float64, device=worker.device)  # loss, correct, n, bad
+    models = [model, *also]
+    for m in models:
+        m.eval()
+    # per model: loss, correct, n; then the count of bad images
+    sums = torch.zeros(3 * len(models) + 1, dtype=torch.float64, device=worker.device)
     seen: list[str] = []
     for x, y, bad in source.test_batches(worker.rank, worker.world, batch):
         x, y = x.to(worker.device, non_blocking=True), y.to(worker.device, non_blocking=True)
@@ -402,20 +409,25 @@ def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, 
             x, y = x[keep.to(x.device)], y[keep.to(y.device)]
             if not len(y):
                 continue
-        with torch.autocast(worker.device.type, dtype=amp_dtype or torch.float32,
-                            enabled=amp_dtype is not None):
-            logits = model(aug(x))
-        sums[:3] += torch.stack([F.cross_entropy(logits.float(), y, reduction="sum").double(),
-                                 (logits.argmax(1) == y).sum().double(),
-                                 torch.tensor(float(len(y)), dtype=torch.float64,
-                                              device=y.device)])
-    sums[3] = len(seen)
+        x = aug(x)
+        for i, m in enumerate(models):
+            with torch.autocast(worker.device.type, dtype=amp_dtype or torch.float32,
+                                enabled=amp_dtype is not None):
+                logits = m(x)
+            sums[3 * i:3 * i + 3] += torch.stack([
+                F.cross_entropy(logits.float(), y, reduction="sum").double(),
+                (logits.argmax(1) == y).sum().double(),
+                torch.tensor(float(len(y)), dtype=torch.float64, device=y.device)])
+    sums[-1] = len(seen)
     all_reduce(sums)
-    model.train()
+    for m in models:
+        m.train()
     first_bad = None
-    if sums[3].item():
+    if sums[-1].item():
         first_bad = next(n for found in gather_objects(seen[:1]) for n in found)
-    return {"sums": sums.tolist(), "bad_image": first_bad}
+    totals = sums.tolist()
+    return {"sums": totals[:3] + totals[-1:], "bad_image": first_bad,
+            "also": [totals[3 * i:3 * i + 3] for i in range(1, len(models))]}
 
 
 def epoch_metrics(epoch: int, train: dict[str, Any], test: dict[str, Any], optimizer,
