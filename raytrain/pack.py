@@ -54,7 +54,7 @@ class PackFn:
 
     def __call__(self, batch: dict) -> dict:
         paths = list(batch["path"])
-        datas = streaming._read_bytes(self.fs, paths)
+        datas = streaming.read_files(self.fs, paths)
         out = []
         for p, d in zip(paths, datas):
             try:
@@ -74,7 +74,7 @@ def rows_per_shard(table, fs, shard_mb: float, short_side: int | None) -> int:
     if short_side and len(sizes):
         idx = np.linspace(0, len(sizes) - 1, min(16, len(sizes))).astype(int)
         paths = [table.column("path")[int(i)].as_py() for i in idx]
-        sample = [shrink(d, short_side) for d in streaming._read_bytes(fs, paths)]
+        sample = [shrink(d, short_side) for d in streaming.read_files(fs, paths)]
         mean = float(np.mean([len(s) for s in sample]))
     return max(1, int(shard_mb * 2**20 / max(mean, 1.0)))
 

@@ -364,7 +364,7 @@ def decode_crop(data: bytes, size: int, train: bool, rng, draft: bool = True) ->
     return np.asarray(out, dtype=np.uint8)
 
 
-def _read_bytes(fs, paths) -> list[bytes]:
+def read_files(fs, paths) -> list[bytes]:
     """Whole files through a pyarrow filesystem; threads for object stores (latency-bound)."""
     import pyarrow.fs as pafs
 
@@ -436,7 +436,7 @@ class DecodeFn:
         if "image" in batch:
             datas = _image_bytes(batch["image"])
         else:
-            datas = _read_bytes(self.fs, list(batch["path"]))
+            datas = read_files(self.fs, list(batch["path"]))
         n = len(datas)
         labels = np.asarray(batch["label"], dtype=np.int64)
         keys = np.array([_key_of(batch, i, datas[i]) for i in range(n)], dtype=np.int64)
