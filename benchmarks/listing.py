@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     assert n == sum(len(f.samples) for f in folders), "the two listings disagree"
     print(f"{n} files in {a.classes} classes x 2 splits")
     print(f"{'lister':44s} | seconds | RSS growth MB | result MB")
-    print(f"{'raytrain list_image_folder (pyarrow, once)':44s} | {t_rt:7.2f} | {mem_rt:13.0f} | "
+    print(f"{'raytrain list_image_folder (scandir + stat)':44s} | {t_rt:7.2f} | {mem_rt:13.0f} | "
           f"{table_mb:9.1f}")
     print(f"{'torchvision ImageFolder (os.scandir walk)':44s} | {t_tv:7.2f} | {mem_tv:13.0f} | "
           f"{'-':>9s}")
