@@ -210,6 +210,28 @@ def test_train_crops_reproducible_given_seed_and_new_each_epoch(ray_local, folde
     assert a[0] != c[0]  # another seed, other crops
 
 
+def _rows_only(batch):
+    return {"row": batch["row"]}
+
+
+def test_each_epoch_reads_every_listed_image_once_in_its_own_order(ray_local, folder):
+    table = streaming.list_image_folder(folder).tables["train"]
+    n = table.num_rows
+
+    def epochs(shuffle, seed, count=2):
+        """Per epoch: the tasks' row groups (tasks finish in any order: sorted)."""
+        ds = streaming.listing_dataset(table, 7, shuffle, seed, _rows_only)
+        return [sorted(tuple(b["row"].tolist()) for b in run_with_timeout(
+            lambda: list(ds.iter_batches(batch_size=None)))) for _ in range(count)]
+
+    a, b = epochs(True, 0), epochs(True, 0)
+    assert all(sorted(sum(e, ())) == list(range(n)) for e in a)  # every image once an epoch
+    assert a == b and a[0] != a[1]  # (seed, epoch) decide the order; a new epoch, a new one
+    assert epochs(True, 1, 1)[0] != a[0]
+    val = epochs(False, 0, 1)[0]  # val: the listing's order, 7 rows a task
+    assert val == [tuple(range(i, min(i + 7, n))) for i in range(0, n, 7)]
+
+
 def test_rrc_params_match_torchvision_bounds():
     rng = np.random.default_rng(0)
     for w, h in [(40, 30), (500, 20), (13, 13)]:
