@@ -38,8 +38,13 @@ use):
 
 Pipeline
 --------
-Ray Data tasks (``map_batches`` with a function: tasks, not an actor pool -- an actor pool sized
-to the CPUs holds every CPU and the read stage never runs, see the ingest notes) read and decode
+Image folders: ``ray.data.range(tasks)`` -> one ``map_batches`` (``ListingRows``) whose task
+``t`` takes its ``decode_batch`` rows of the epoch's permutation of the listing and decodes them
+(one fused operator; no all-to-all shuffle). Parquet: ``read_parquet`` (file order shuffled per
+epoch) -> ``map_batches(DecodeFn)``. Either way Ray Data's per-operator reservation is off
+(``fast_context``: with it Ray 2.60 used half the CPUs). The tasks (``map_batches`` with a
+function: tasks, not an actor pool -- an actor pool sized to the CPUs holds every CPU and the
+read stage never runs, see the ingest notes) read and decode
 with PIL, convert any mode (L, RGBA, CMYK, P, ...) to RGB and emit ``image`` uint8 ``[B, 3, N, N]``
 and ``label`` int64. Training crops are torchvision's RandomResizedCrop (scale (0.08, 1), ratio
 (3/4, 4/3)), drawn from a generator seeded by ``(seed, epoch, row)``: reproducible given the seed;
