@@ -255,7 +255,8 @@ class RunSettings:
                             "(default: run-YYYYmmdd-HHMMSS)")
     storage_path: str = _opt("./runs", "where run directories and checkpoints live: a path "
                              "(shared by all nodes for multi-node runs) or an s3://BUCKET/PREFIX "
-                             "or gs://BUCKET/PREFIX URI")
+                             "or gs://BUCKET/PREFIX URI (also for --tune, with --scheduler asha "
+                             "or none)")
     seed: int = _opt(0, "seed for weights, shuffling and augmentation")
     log_every: int = _opt(0, "print the seed's loss line every N batches on rank 0 (0 = off)")
     checkpoint_every: int = _opt(1, "save a full training checkpoint every N epochs (and at "
@@ -489,9 +490,10 @@ class TrainConfig:
 def check_search(cfg: TrainConfig) -> None:
     """--tune's checks that span sections (each section checked its own fields)."""
     t, epochs = cfg.tune, cfg.optim.epochs
-    if "://" in cfg.run.storage_path:  # trials write their files through the local file system
-        raise ConfigError("storage_path", cfg.run.storage_path, "a file-system path with --tune "
-                          "(searches on a bucket are not supported yet; single runs are)")
+    if "://" in cfg.run.storage_path and t.scheduler == "pbt":  # tune/pbt.py: a trial's
+        # starting state is written on its node's disk and read there by its Train workers
+        raise ConfigError("scheduler", t.scheduler, "asha or none with a bucket --storage-path "
+                          "(PBT hands training state between trials through local disk)")
     for size in t.batch_size_choices():
         if size < cfg.cluster.max_workers:
             raise ConfigError("batch_sizes", t.batch_sizes, f"sizes of at least --num-workers "

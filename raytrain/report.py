@@ -2,7 +2,8 @@
 
 ``python -m raytrain.report RUN_DIR`` re-draws the plot and prints the summary of a run;
 RUN_DIR may be a bucket URI (``s3://BUCKET/PREFIX/NAME``): its metrics are downloaded and the
-plot is uploaded beside them.
+plot is uploaded beside them. A --tune search's directory (results.csv, no metrics) gets its
+trials table and best trial (each trial, ``NAME/trials/TRIAL_ID``, is a run of its own).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from raytrain import files, storage
 from raytrain.errors import RaytrainError
 from raytrain.files import EVENTS_FILE, METRICS_FILE
 
+SEARCH_RESULTS = "results.csv"  # a --tune search's table (raytrain/tune/results.py)
 METRICS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "images_per_s",
            "epoch_s")
 
@@ -91,6 +93,40 @@ def accuracy_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _acc(value: Any) -> str:
+    return "-" if value in ("", None) else f"{float(value):.4f}"
+
+
+def search_table(rows: list[dict[str, Any]]) -> list[str]:
+    """A search's trials, one line each, then a line per failed trial. ``rows``: results.csv's
+    (as written, or read back as strings)."""
+    lines = [f"{'trial':<12} {'lr':>9} {'batch':>5} {'status':<9} {'epochs':>6} "
+             f"{'final_acc':>9} {'best_acc':>8}"]
+    for r in rows:
+        lines.append(f"{r['trial_id']:<12} {float(r['lr']):>9.3g} {r['batch_size']:>5} "
+                     f"{r['status']:<9} {r['epochs_run']:>6} {_acc(r['final_test_acc']):>9} "
+                     f"{_acc(r['best_test_acc']):>8}"
+                     + (f"  from {r['started_from']}" if r["started_from"] else ""))
+    return lines + [f"trial {r['trial_id']} failed: {r['error']}" for r in rows
+                    if r["status"] == "failed"]
+
+
+def best_trial(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The trial of the best test_acc that did not fail (results.csv's rows)."""
+    ok = [r for r in rows if r["status"] != "failed" and r["best_test_acc"] != ""]
+    return max(ok, key=lambda r: float(r["best_test_acc"]), default=None)
+
+
+def best_trial_lines(rows: list[dict[str, Any]]) -> list[str]:
+    best = best_trial(rows)
+    if best is None:
+        return []
+    return [f"best: trial {best['trial_id']}: lr {float(best['lr']):.4g}, batch_size "
+            f"{best['batch_size']}: test_acc {float(best['best_test_acc']):.4f} at epoch "
+            f"{best['best_epoch']}",
+            f"best checkpoint: {best['checkpoint'] or '(none kept)'}"]
+
+
 def plot_curves(run_dir: str, rows: list[dict[str, Any]]) -> str | None:
     """learning_curves.png: loss and accuracy vs epoch, train and test."""
     if not rows:
@@ -135,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if storage.is_uri(args.run_dir):
         return _main_uri(args.run_dir)
     rows = read_metrics(args.run_dir)
+    if not rows and os.path.exists(os.path.join(args.run_dir, SEARCH_RESULTS)):
+        return _search(args.run_dir, args.run_dir)
     if not rows:
         print(f"raytrain: error: {args.run_dir}: no metrics.jsonl", file=sys.stderr)
         return 2
@@ -153,10 +191,12 @@ def _main_uri(uri: str) -> int:
     with tempfile.TemporaryDirectory(prefix="raytrain-report-") as tmp:
         local = os.path.join(tmp, os.path.basename(uri))
         try:
-            storage.download(uri, local, (METRICS_FILE,))
+            storage.download(uri, local, (METRICS_FILE, SEARCH_RESULTS))
         except OSError as err:
             raise RaytrainError(f"{uri}: cannot read it ({storage.first_line(err)})") from None
         rows = read_metrics(local)
+        if not rows and os.path.exists(os.path.join(local, SEARCH_RESULTS)):
+            return _search(local, uri)
         if not rows:
             raise RaytrainError(f"{uri}: no metrics.jsonl")
         print(summary_table(rows))
@@ -167,6 +207,16 @@ def _main_uri(uri: str) -> int:
         except storage.UploadError as err:
             raise RaytrainError(str(err)) from None
     print(f"plot: {storage.join(uri, 'learning_curves.png')}")
+    return 0
+
+
+def _search(local: str, where: str) -> int:
+    """report on a search: its trials from results.csv (``local``), the files at ``where``."""
+    rows = files.read_csv(os.path.join(local, SEARCH_RESULTS))
+    print("\n".join(search_table(rows) + best_trial_lines(rows)))
+    print(f"results: {storage.join(where, SEARCH_RESULTS)}, plot: "
+          f"{storage.join(where, 'tune.png')}; a trial's curves: python -m raytrain.report "
+          f"{storage.join(where, 'trials', 'TRIAL_ID')}")
     return 0
 
 

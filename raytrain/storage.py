@@ -170,6 +170,29 @@ def download(uri: str, local_dir: str, names: tuple[str, ...] = SMALL_FILES) -> 
                 f.write(data)
 
 
+def pull_newer(uri: str, local_dir: str, names: tuple[str, ...]) -> list[str]:
+    """Download each of ``names`` (files) under ``uri`` into ``local_dir``, except where the
+    local copy is ahead: the bucket has none, or the local one extends it (an append-only file
+    written here after its last upload, e.g. by a process stopped between the two). Returns
+    those names, for the caller to upload."""
+    os.makedirs(local_dir, exist_ok=True)
+    ahead = []
+    for name in names:
+        path = os.path.join(local_dir, name)
+        remote = read_bytes(join(uri, name))
+        local = None
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                local = f.read()
+        if local is not None and (remote is None or (local != remote
+                                                      and local.startswith(remote))):
+            ahead.append(name)
+        elif remote is not None:
+            with open(path, "wb") as f:
+                f.write(remote)
+    return ahead
+
+
 def pull(uri: str, mirror: str) -> None:
     """Make ``mirror`` hold exactly the run's small files as the bucket has them."""
     shutil.rmtree(mirror, ignore_errors=True)

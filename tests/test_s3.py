@@ -49,11 +49,98 @@ def _objects(bucket: str, prefix: str = "") -> dict[str, bytes]:
     return {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
-def test_tune_on_a_bucket_is_refused_in_one_line(capsys):
-    assert fit.main([*QUICK, "--tune", "--storage-path", "s3://b/runs", "--dry-run"]) == 2
+def test_pbt_search_on_a_bucket_is_refused_in_one_line(capsys):
+    """PBT hands training state between trials through a trial's local disk (tune/pbt.py)."""
+    assert fit.main([*QUICK, "--tune", "--scheduler", "pbt", "--storage-path", "s3://b/runs",
+                     "--dry-run"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("raytrain: error: --storage-path"), err
-    assert "--tune" in err[0]
+    assert len(err) == 1 and err[0].startswith("raytrain: error: --scheduler: got 'pbt'"), err
+    assert "asha or none with a bucket --storage-path" in err[0]
+
+
+def _csv(data: bytes) -> list[dict[str, str]]:
+    import csv
+
+    return list(csv.DictReader(io.StringIO(data.decode())))
+
+
+def test_search_on_s3_then_rerun_reuse_refused_fresh_evaluate_report(ray_cluster, bucket,
+                                                                      capsys):
+    """A 2-trial grid on a bucket, one trial failing on its NaN loss: raytrain's files, each
+    trial's run and Tune's own state in the bucket; re-run from a machine without the mirror:
+    nothing re-run; another search under the name refused with the bucket unchanged; --fresh
+    deletes it and starts over."""
+    uri = f"s3://{bucket}/runs"
+    args = ["--tune", "--num-workers", "1", "--dataset", "digits", "--model", "lenet",
+            "--epochs", "2", "--lr-range", "0.05,10000", "--num-samples", "1", "--batch-sizes",
+            "128", "--scheduler", "none", "--storage-path", uri, "--name", "s"]
+    assert fit.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"results: {uri}/s/results.csv, plot: {uri}/s/tune.png" in out, out
+    assert f"weights: {uri}/s/model.pt" in out, out
+    saved = _objects(bucket, "runs/s/")
+    for name in ("config.yaml", "results.csv", "tune.png", "model.pt", "tuner.pkl"):
+        assert f"runs/s/{name}" in saved, sorted(saved)
+    assert any(re.fullmatch(r"runs/s/experiment_state-.*\.json", k) for k in saved), sorted(saved)
+    rows = {r["trial_id"]: r for r in _csv(saved["runs/s/results.csv"])}
+    ok, nan = sorted(rows.values(), key=lambda r: float(r["lr"]))
+    assert (ok["status"], nan["status"]) == ("completed", "failed") and "NaN" in nan["error"]
+    for r in rows.values():
+        trial = f"runs/s/trials/{r['trial_id']}/"
+        metrics = [json.loads(line) for line in saved[trial + "metrics.jsonl"].splitlines()]
+        assert [m["epoch"] for m in metrics] == ([1, 2] if r is ok else [1])
+        assert trial + "config.yaml" in saved and trial + "starts.jsonl" in saved
+    trial = f"runs/s/trials/{ok['trial_id']}/"
+    metrics = [json.loads(line) for line in saved[trial + "metrics.jsonl"].splitlines()]
+    assert float(ok["best_test_acc"]) == max(m["test_acc"] for m in metrics)
+    assert ok["checkpoint"].startswith(f"s3://{bucket}/{trial}train/checkpoint_epoch_"), ok
+    assert ok["checkpoint"].removeprefix(f"s3://{bucket}/") + "/state.pt" in saved, ok
+    events = saved[f"runs/s/trials/{nan['trial_id']}/events.jsonl"].decode()  # by the driver
+    assert [json.loads(line)["event"] for line in events.splitlines()][-1] == "trial_failed"
+    everything = b"".join(saved.values())  # Tune's pickles too: no credential in any object
+    assert b"AWS_SECRET" not in everything
+    assert os.environ["AWS_SECRET_ACCESS_KEY"].encode() not in everything
+    from raytrain.models import build_model
+
+    build_model("lenet", 10).load_state_dict(
+        torch.load(io.BytesIO(saved["runs/s/model.pt"]), weights_only=True))
+
+    # From another machine: no mirror. The same command resumes the finished search.
+    shutil.rmtree(storage.mirror_of(uri), ignore_errors=True)
+    assert fit.main(args) == 0
+    out = capsys.readouterr().out
+    assert f"resuming the search in {uri}/s" in out and "started" not in out, out
+    assert "best: trial" in out
+    again = {r["trial_id"]: r for r in _csv(_objects(bucket, "runs/s/results.csv")
+                                             ["runs/s/results.csv"])}
+    assert {k: v["epochs_run"] for k, v in again.items()} == {
+        k: v["epochs_run"] for k, v in rows.items()}
+
+    # Another search under the name: refused, nothing in the bucket touched.
+    shutil.rmtree(storage.mirror_of(uri), ignore_errors=True)
+    before = _objects(bucket, "runs/s/")
+    assert fit.main([*args, "--lr-range", "0.01,0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a search with other settings (lr_range: '0.05,10000' -> '0.01,0.1')" in err
+    assert "--resume" in err
+    assert _objects(bucket, "runs/s/") == before
+
+    assert evaluate.main([f"{uri}/s"]) == 0  # the best trial's model.pt
+    assert "(360 images, digits, lenet)" in capsys.readouterr().out
+    assert report.main([f"{uri}/s"]) == 0
+    out = capsys.readouterr().out
+    assert all(trial_id in out for trial_id in rows) and "best: trial" in out, out
+    first = sorted(rows)[0]
+    assert report.main([f"{uri}/s/trials/{first}"]) == 0  # a trial is a run
+    assert f"plot: {uri}/s/trials/{first}/learning_curves.png" in capsys.readouterr().out
+
+    # --fresh: the old search is deleted from the bucket, a new one run.
+    assert fit.main([*args, "--lr-range", "0.05", "--epochs", "1", "--fresh"]) == 0
+    capsys.readouterr()
+    fresh = _objects(bucket, "runs/s/")
+    (new,) = _csv(fresh["runs/s/results.csv"])
+    assert new["trial_id"] not in rows and new["status"] == "completed"
+    assert not [k for k in fresh if any(f"/{trial_id}/" in k for trial_id in rows)]
 
 
 def test_run_on_s3_then_reuse_refused_finished_evaluate_report(ray_cluster, bucket, capsys):

@@ -254,7 +254,9 @@ class RunTracker(_Tracker):
 class SearchTracker(_Tracker):
     """A Tune search: one parent MLflow run for STORAGE/NAME and a child run per trial (named
     after the trial id, params from ``trials/TRIAL_ID/config.yaml``), each fed its trial's
-    metrics.jsonl from the driver while the search runs.
+    metrics.jsonl from the driver while the search runs. A search on a bucket: the trials
+    in the driver's mirror are those on the driver's node; a trial on another node is logged
+    when the search ends, once the driver has brought its files over (``tune.trial.pull_trials``).
 
         with SearchTracker(cfg) as tracker:
             grid = tuner.fit() ...; results.csv, tune.png, model.pt

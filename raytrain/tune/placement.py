@@ -46,6 +46,10 @@ class PlacementGroupReaper(Poller):
     making a new group in its last moments (seen: one CPU held for the rest of the session, the
     trials of later searches then ran one at a time). So the groups are found by who made them
     (the GCS table), and only the controllers are recorded, before they make any.
+
+    ``trials_dir`` is on the driver's machine: a search on a bucket records its trials'
+    controllers in each trial node's mirror (``tune/trial.py``), so this sees the trials on
+    the driver's node only; a stopped trial's group on another node is left to Ray's cleaner.
     """
 
     def __init__(self, trials_dir: str, interval_s: float = 1.0, enabled: bool = True):

@@ -11,15 +11,18 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain import checkpoint, files, ray_compat, report
+from raytrain import checkpoint, files, ray_compat, report, storage
 from raytrain.config import TrainConfig
 from raytrain.driver.run import export_model
-from raytrain.errors import short
+from raytrain.errors import TrainingError, short
 from raytrain.files import EVENTS_FILE
-from raytrain.tune.trial import TrialFailed
+from raytrain.tune.trial import TrialFailed, pull_trials
 
 METRIC, MODE = "test_acc", "max"
 
+
+# A search's own files on a bucket, uploaded from the driver's mirror (model.pt last).
+SEARCH_FILES = ("config.yaml", "mlflow_run_id", "results.csv", "tune.png", "model.pt")
 
 RESULT_COLUMNS = ("trial_id", "lr", "batch_size", "status", "epochs_run", "last_epoch",
                   "final_test_acc", "best_test_acc", "best_epoch", "checkpoint",
@@ -28,7 +31,7 @@ RESULT_COLUMNS = ("trial_id", "lr", "batch_size", "status", "epochs_run", "last_
 
 @dataclass
 class TuneSummary:
-    exp_dir: str
+    exp_dir: str  # where the search lives: a path or a bucket URI
     rows: list[dict[str, Any]]
     epochs: int
     num_workers: int
@@ -38,8 +41,7 @@ class TuneSummary:
 
     @property
     def best(self) -> dict[str, Any] | None:
-        ok = [r for r in self.rows if r["status"] != "failed" and r["best_test_acc"] != ""]
-        return max(ok, key=lambda r: r["best_test_acc"], default=None)
+        return report.best_trial(self.rows)
 
     @property
     def worker_epochs(self) -> int:
@@ -51,27 +53,33 @@ def _trials(grid) -> list:
     return ray_compat.result_grid_trials(grid)
 
 
-def saved_statuses(exp_dir: str) -> dict[str, str]:
-    """Trial statuses as Tune saved them. After Ctrl-C, Tune saves the experiment and then
-    marks every trial in memory TERMINATED; the saved state still says which were unfinished
-    (and a re-run resumes those)."""
+def saved_statuses(location: str) -> dict[str, str]:
+    """Trial statuses as Tune saved them (at ``location``, a path or a bucket URI). After
+    Ctrl-C, Tune saves the experiment and then marks every trial in memory TERMINATED; the
+    saved state still says which were unfinished (and a re-run resumes those)."""
     from ray.tune import ExperimentAnalysis
 
     try:
-        return {t.trial_id: t.status for t in ExperimentAnalysis(exp_dir).trials}
+        return {t.trial_id: t.status for t in ExperimentAnalysis(location).trials}
     except Exception:  # noqa: BLE001 - no saved state: the in-memory statuses stand
         return {}
 
 
 def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
-    """results.csv, tune.png and the best trial's model.pt from a finished (or stopped) search."""
-    exp_dir = cfg.run_dir
-    saved = saved_statuses(exp_dir)
+    """results.csv, tune.png and the best trial's model.pt from a finished (or stopped) search.
+    On a bucket: every trial's files are synced with the mirror first (``trial.pull_trials``:
+    trials on other nodes wrote theirs in their own node's mirror), the best weights come from
+    its checkpoint in the bucket, and the search's files are uploaded."""
+    exp_dir, location = cfg.run_dir, cfg.run_location
+    on_bucket = storage.is_uri(location)
+    if on_bucket:
+        _storage_step("sync", location, lambda: pull_trials(location, exp_dir))
+    saved = saved_statuses(location)
     rows = [trial_row(cfg, trial, result, saved.get(trial.trial_id, trial.status))
             for trial, result in zip(_trials(grid), grid)]
     rows.sort(key=lambda r: r["trial_id"])
     write_csv(os.path.join(exp_dir, "results.csv"), rows)
-    summary = TuneSummary(exp_dir, rows, cfg.optim.epochs, cfg.cluster.max_workers, wall_s,
+    summary = TuneSummary(location, rows, cfg.optim.epochs, cfg.cluster.max_workers, wall_s,
                           None, None)
     summary.plot = plot(exp_dir, rows)
     best = summary.best
@@ -79,7 +87,22 @@ def summarize(cfg: TrainConfig, grid, wall_s: float) -> TuneSummary:
         from ray.train import Checkpoint
 
         summary.model_path = export_model(exp_dir, Checkpoint(best["checkpoint"]))
+    if on_bucket:
+        _storage_step("write", location, lambda: storage.upload(exp_dir, location,
+                                                                SEARCH_FILES))
+        summary.plot = summary.plot and storage.join(location, "tune.png")
+        summary.model_path = summary.model_path and storage.join(location, "model.pt")
     return summary
+
+
+def _storage_step(what: str, location: str, step) -> None:
+    """``step()``; a bucket that fails it is one TrainingError naming ``location``."""
+    try:
+        step()
+    except OSError as err:
+        raise TrainingError(f"--storage-path: cannot {what} {location} "
+                            f"({storage.first_line(err)}); the trials' checkpoints are kept: "
+                            "rerun the same command") from None
 
 
 def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, Any]:
@@ -110,7 +133,8 @@ def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, An
         "epochs_run": n_reports, "last_epoch": rows[-1]["epoch"] if rows else 0,
         "final_test_acc": rows[-1]["test_acc"] if rows else "",
         "best_test_acc": best_acc, "best_epoch": best_epoch,
-        "checkpoint": best_checkpoint(reports),
+        "checkpoint": best_checkpoint(reports, cfg.run_location) or unreported_checkpoint(
+            cfg.run_location, trial.trial_id, starts, best_epoch),
         "started_from": ";".join(f"{s['from_trial']}@{s['from_epoch']}" for s in starts
                                  if s.get("from_trial") and s["from_trial"] != trial.trial_id),
         "error": error,
@@ -131,15 +155,37 @@ def trial_error(trial_id: str, exp_dir: str | None, err: BaseException | None = 
         "TrialFailed: ")
 
 
-def best_checkpoint(reports) -> str:
-    """The reported checkpoint of the best epoch (``report.best_key``) still on disk."""
+def best_checkpoint(reports, location: str = "") -> str:
+    """The reported checkpoint of the best epoch (``report.best_key``) still in storage: a path,
+    or for a search at a bucket ``location`` a URI."""
     if reports is None or "checkpoint_path" not in reports or METRIC not in reports:
         return ""
     rows = reports.dropna(subset=["checkpoint_path", METRIC]).to_dict("records")
     for row in sorted(rows, key=report.best_key, reverse=True):
-        if os.path.exists(os.path.join(row["checkpoint_path"], checkpoint.STATE_FILE)):
-            return row["checkpoint_path"]
+        path = checkpoint_uri(row["checkpoint_path"], location)
+        if storage.exists(storage.join(path, checkpoint.STATE_FILE)):
+            return path
     return ""
+
+
+def unreported_checkpoint(location: str, trial_id: str, starts: list[dict[str, Any]],
+                          epoch: int | str) -> str:
+    """The checkpoint of ``epoch`` in the trial's latest Train run, for a trial whose reports
+    of it never reached Tune (its last epochs ran on while Ctrl-C stopped the search; the
+    re-run found nothing left to train), or ""."""
+    if not starts or epoch == "":
+        return ""
+    path = storage.join(location, "trials", trial_id, starts[-1]["segment"],
+                        f"checkpoint_epoch_{int(epoch):04d}")
+    return path if storage.exists(storage.join(path, checkpoint.STATE_FILE)) else ""
+
+
+def checkpoint_uri(path: str, location: str) -> str:
+    """Ray reports a checkpoint on a bucket as a path in its file system (``BUCKET/KEY``):
+    the URI of it, with the scheme of the search's ``location``."""
+    if storage.is_uri(location) and "://" not in path:
+        return f"{storage.scheme(location)}://{path.lstrip('/')}"
+    return path
 
 
 def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
@@ -193,28 +239,12 @@ def figure(exp_dir: str, rows: list[dict[str, Any]]):
 
 
 def summary_text(summary: TuneSummary) -> str:
-    head = (f"{'trial':<12} {'lr':>9} {'batch':>5} {'status':<9} {'epochs':>6} "
-            f"{'final_acc':>9} {'best_acc':>8}")
-    lines = [head]
-    for r in summary.rows:
-        final = f"{r['final_test_acc']:.4f}" if r["final_test_acc"] != "" else "-"
-        best = f"{r['best_test_acc']:.4f}" if r["best_test_acc"] != "" else "-"
-        lines.append(f"{r['trial_id']:<12} {r['lr']:>9.3g} {r['batch_size']:>5} "
-                     f"{r['status']:<9} {r['epochs_run']:>6} {final:>9} {best:>8}"
-                     + (f"  from {r['started_from']}" if r["started_from"] else ""))
-    for r in summary.rows:
-        if r["status"] == "failed":
-            lines.append(f"trial {r['trial_id']} failed: {r['error']}")
+    lines = report.search_table(summary.rows)
     most = len(summary.rows) * summary.epochs * summary.num_workers
     lines.append(f"worker-epochs spent: {summary.worker_epochs} of {most} for every trial "
                  f"to run all {summary.epochs} epochs; wall time {summary.wall_s:.1f}s")
-    best = summary.best
-    if best:
-        lines.append(f"best: trial {best['trial_id']}: lr {best['lr']:.4g}, batch_size "
-                     f"{best['batch_size']}: test_acc {best['best_test_acc']:.4f} at epoch "
-                     f"{best['best_epoch']}")
-        lines.append(f"best checkpoint: {best['checkpoint'] or '(none kept)'}")
-    lines.append(f"results: {os.path.join(summary.exp_dir, 'results.csv')}"
+    lines += report.best_trial_lines(summary.rows)
+    lines.append(f"results: {storage.join(summary.exp_dir, 'results.csv')}"
                  + (f", plot: {summary.plot}" if summary.plot else ""))
     if summary.model_path:
         lines.append(f"weights: {summary.model_path}")

@@ -1,6 +1,7 @@
 """The Tune layer: many trainings searching lr and batch size, weak ones stopped early.
 
     python -m raytrain.fit --tune --num-samples 8 --num-workers 1 --dataset digits --epochs 10
+    python -m raytrain.fit --tune --num-samples 8 --storage-path s3://BUCKET/searches --name s1
 
 Train V2 has no ``Tuner(trainer)``: a Tune trial is ``run_trial``, a function that builds the
 same TorchTrainer as a plain run (``driver.run.build_trainer``; ``trial.run_trial``) with the trial's lr and batch size
@@ -19,6 +20,18 @@ Files, under ``STORAGE_PATH/NAME/`` (Tune's experiment directory; Tune keeps its
                            run per start: train/ first, from-TRIAL-eEPOCH/ after a PBT exploit
                            or pause, each holding checkpoint_epoch_NNNN/
 
+A search on a bucket (``--storage-path s3://BUCKET/PREFIX``, also gs://): Tune keeps its state
+and ``tune-TRIAL_ID/`` there (``RunConfig(storage_path=URI)``; a re-run restores from the URI);
+raytrain's files above are written in the driver's mirror of ``URI/NAME``
+(``storage.mirror_of``) and uploaded. Before a search starts the mirror is re-made from the
+bucket (``pull_search``: name reuse is checked against the bucket; --fresh deletes the search
+there). Each trial writes its files in its own node's mirror of ``URI/NAME/trials/TRIAL_ID``
+and uploads them after every epoch; its checkpoints go to the bucket through Ray Train. Before
+summing up, the driver syncs every trial's files into its mirror (``trial.pull_trials``) and
+takes ``model.pt`` from the best checkpoint in the bucket. What reads trial files while the
+search runs (``PlacementGroupReaper``, MLflow's ``SearchTracker``) sees the trials on the
+driver's node only. PBT is refused with a bucket (``config.check_search``).
+
 PBT: see ``raytrain.tune.pbt``.
 """
 
@@ -32,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from raytrain import files, ray_compat, report
+from raytrain import files, ray_compat, report, storage
 from raytrain.config import TrainConfig, check_search
 from raytrain.driver import preflight
 from raytrain.driver.tracking import SearchTracker
@@ -41,7 +54,7 @@ from raytrain.errors import Interrupted, RaytrainError, TrainingError
 from raytrain.tune.asha import RUNG_METRIC, RUNG_MODE, LateCheckASHA
 from raytrain.tune.placement import PlacementGroupReaper
 from raytrain.tune.results import METRIC, MODE, TuneSummary, summarize, trial_error
-from raytrain.tune.trial import run_trial
+from raytrain.tune.trial import pull_trials, run_trial
 
 # Tune refuses an all-zero request; a trial only waits on its TorchTrainer, whose controller is
 # a num_cpus=0 actor too. A byte of memory instead of a "sliver of CPU" keeps CPU accounting
@@ -61,15 +74,15 @@ def run(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
 
     check(cfg)
     shape = preflight.preflight(cfg)
-    exp_dir = cfg.run_dir
+    exp_dir, location = cfg.run_dir, cfg.run_location  # the same, or the mirror and the URI
     base = prepare_exp_dir(cfg, resume, fresh)
     reap = ray_compat.can_reap_placement_groups()
     trainable = tune.with_resources(tune.with_parameters(
         run_trial, base=base, shape=shape, reap=reap), TRIAL_RESOURCES)
     concurrent = cfg.tune.max_concurrent_trials or placeable_trials(cfg, shape.use_gpu)
-    if tune.Tuner.can_restore(exp_dir):
-        print(f"resuming the search in {exp_dir} (finished trials are kept)", flush=True)
-        tuner = tune.Tuner.restore(exp_dir, trainable=trainable)
+    if tune.Tuner.can_restore(location):
+        print(f"resuming the search in {location} (finished trials are kept)", flush=True)
+        tuner = tune.Tuner.restore(location, trainable=trainable)
     else:
         print(f"tuning: {describe(cfg, concurrent)}", flush=True)
         tuner = tune.Tuner(trainable, param_space=search_space(cfg),
@@ -103,8 +116,12 @@ check = check_search  # the cross-section checks: in config.py, with all the oth
 
 
 def prepare_exp_dir(cfg: TrainConfig, resume: bool, fresh: bool) -> dict[str, Any]:
-    """Create or re-open STORAGE/NAME; returns the flat config every trial starts from."""
+    """Create or re-open STORAGE/NAME; returns the flat config every trial starts from. A
+    search on a bucket: the mirror is made from the bucket first (``pull_search``), and
+    --fresh deletes the search there."""
     exp_dir = cfg.run_dir
+    if storage.is_uri(cfg.run_location):
+        pull_search(cfg, fresh)
     if fresh and os.path.isdir(exp_dir):
         shutil.rmtree(exp_dir)
     flat = cfg.to_flat()
@@ -127,11 +144,32 @@ def prepare_exp_dir(cfg: TrainConfig, resume: bool, fresh: bool) -> dict[str, An
         raise RaytrainError(f"--storage-path {cfg.run.storage_path}: cannot create {exp_dir} "
                             f"({err.strerror})") from None
     files.atomic_write(saved_path, yaml.safe_dump(flat, sort_keys=False))
+    try:
+        if storage.is_uri(cfg.run_location):
+            storage.upload(exp_dir, cfg.run_location, ("config.yaml",))
+    except storage.UploadError as err:
+        raise RaytrainError(f"--storage-path {cfg.run.storage_path}: {err}") from None
     # Trials run in their own working directory: hand them absolute paths.
     for key in ("data_dir", "pretrained"):
         if flat.get(key):
             flat[key] = os.path.abspath(flat[key])
     return flat
+
+
+def pull_search(cfg: TrainConfig, fresh: bool) -> None:
+    """The mirror of a search on a bucket made from the bucket (the truth): its config and
+    MLflow run id, and every trial's files; with --fresh, the search deleted there instead."""
+    location = cfg.run_location
+    try:
+        if fresh:
+            storage.delete_dir(location)
+            return
+        storage.pull(location, cfg.run_dir)
+        pull_trials(location, cfg.run_dir)
+    except OSError as err:
+        flag = "--fresh" if fresh else f"--storage-path {cfg.run.storage_path}"
+        raise RaytrainError(f"{flag}: cannot {'delete' if fresh else 'read'} {location} "
+                            f"({storage.first_line(err)})") from None
 
 
 def placeable_trials(cfg: TrainConfig, use_gpu: bool) -> int:
@@ -216,7 +254,8 @@ def run_config(cfg: TrainConfig):
         # Tune checkpoints (PBT only: one per perturbation interval) are all kept: with a
         # num_to_keep, Tune 2.60 logged errors deleting checkpoints of exploited trials.
         checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
-        callbacks=[Progress(cfg.run_dir, cfg.optim.epochs)], verbose=1 if cfg.run.verbose else 0)
+        callbacks=[Progress(cfg.run_dir, cfg.optim.epochs, cfg.run_location)],
+        verbose=1 if cfg.run.verbose else 0)
 
 
 def describe(cfg: TrainConfig, concurrent: int) -> str:
@@ -246,8 +285,9 @@ def _progress_base():
 class Progress(_progress_base()):
     """Tune callback on the driver: one line when a trial starts, ends or fails."""
 
-    def __init__(self, exp_dir: str, epochs: int):
+    def __init__(self, exp_dir: str, epochs: int, location: str | None = None):
         self.exp_dir, self.epochs = exp_dir, epochs
+        self.location = location or exp_dir
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         c = trial.config
@@ -272,9 +312,19 @@ class Progress(_progress_base()):
             err = None
         reason = trial_error(trial.trial_id, None, err)
         try:
-            report.append_event(os.path.join(self.exp_dir, "trials", trial.trial_id),
-                                {"event": "trial_failed", "error": reason, "time": time.time()})
-        except OSError:  # a full disk: the line below still says it
+            self.record_failure(trial.trial_id, reason)
+        except OSError:  # a full disk, a failing bucket: the line below still says it
             pass
         print(f"trial {trial.trial_id} failed: {reason}", flush=True)
 
+    def record_failure(self, trial_id: str, reason: str) -> None:
+        """A ``trial_failed`` line in the trial's events.jsonl; on a bucket, appended to the
+        copy there (the trial, maybe on another node, uploaded its own last) and uploaded."""
+        trial_dir = os.path.join(self.exp_dir, "trials", trial_id)
+        location = storage.join(self.location, "trials", trial_id)
+        if storage.is_uri(location):
+            storage.pull_newer(location, trial_dir, (files.EVENTS_FILE,))
+        report.append_event(trial_dir, {"event": "trial_failed", "error": reason,
+                                        "time": time.time()})
+        if storage.is_uri(location):
+            storage.upload(trial_dir, location, (files.EVENTS_FILE,))
