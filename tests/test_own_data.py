@@ -111,12 +111,15 @@ def test_parquet_from_pack_gives_the_same_counts_with_worker_side_decode(ray_clu
     assert pack.pack(digits_folder, shards, shard_mb=0.5) == {"train": 1437, "val": N_VAL}
     assert len(os.listdir(os.path.join(shards, "train"))) > 1  # ~0.5 MB shards
     rc, _, err = _fit("--dataset", "parquet", "--data-dir", shards, "--image-size", "32",
-                      "--num-workers", "2", "--epochs", "1", "--decode", "worker",
+                      "--num-workers", "2", "--epochs", "2", "--decode", "worker",
                       "--storage-path", str(tmp_path), "--name", "pq")
     assert rc == 0, err
-    (row,) = metrics(tmp_path / "pq")
-    assert row["test_count"] == N_VAL and row["train_count"] == 1437 // 2 // 64 * 64 * 2
-    assert row["test_acc"] > 0.2  # one epoch, above chance
+    rows = metrics(tmp_path / "pq")
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["test_count"] == N_VAL and row["train_count"] == 1437 // 2 // 64 * 64 * 2
+    # Above chance (0.1); one epoch of 22 steps gave 0.17-0.3 (streamed runs are not bit-exact)
+    assert rows[-1]["test_acc"] > 0.2
 
 
 def _layout(root, case: str) -> str:
