@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.errors import ConfigError, RaytrainError  # noqa: F401 - re-exported
-from raytrain.storage import SCHEMES as STORAGE_SCHEMES, mirror_of
+from raytrain.storage import SCHEMES as STORAGE_SCHEMES, local_dir
 
 BUILTIN = ("cifar10", "cifar100", "digits", "synthetic")
 STREAMING = ("imagefolder", "parquet")  # your own images, streamed by Ray Data
@@ -453,9 +453,7 @@ class TrainConfig:
     def run_dir(self) -> str:
         """The run's files on this machine: ``run_location`` itself, or for a bucket the
         driver's local mirror of raytrain's run files (see raytrain/storage.py)."""
-        if "://" in self.run.storage_path:
-            return mirror_of(self.run_location)
-        return self.run_location
+        return local_dir(self.run_location)
 
     def to_flat(self) -> dict[str, Any]:
         """The config as one flat dict (YAML and Ray's train_loop_config)."""

@@ -75,6 +75,12 @@ def mirror_of(uri: str) -> str:
     return os.path.join(cache_root(), "runs", scheme(uri), *[p for p in rest.split("/") if p])
 
 
+def local_dir(location: str) -> str:
+    """Where the run files of ``location`` are on this machine: the path itself, or for a
+    bucket URI this machine's mirror of it."""
+    return mirror_of(location) if is_uri(location) else location
+
+
 # ---------------------------------------------------------------------------- reading
 
 

@@ -46,7 +46,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: 
     train_env(shape)  # the trial's process runs the trainer: the driver's settings
     trial_id = ray.tune.get_context().get_trial_id()
     location = trial_location(base["storage_path"], base["name"], trial_id)
-    trial_dir = local_dir(location)
+    trial_dir = storage.local_dir(location)
     if storage.is_uri(location):  # a restart, maybe on another node: continue its files
         try:
             sync(location, trial_dir)
@@ -100,11 +100,6 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: 
 def trial_location(storage_path: str, name: str, trial_id: str) -> str:
     """Where a trial's run lives: STORAGE_PATH/NAME/trials/TRIAL_ID, a path or a bucket URI."""
     return storage.join(storage_path, name, "trials", trial_id)
-
-
-def local_dir(location: str) -> str:
-    """The trial's files on this machine: ``location`` itself, or this node's mirror of it."""
-    return storage.mirror_of(location) if storage.is_uri(location) else location
 
 
 def upload(trial_dir: str, location: str, names: tuple[str, ...], quietly: bool = False
