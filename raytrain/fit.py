@@ -66,9 +66,9 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
         if started_cluster:
-            import ray
+            from raytrain import ray_compat
 
-            ray.shutdown()
+            ray_compat.shutdown()
 
 
 def main_cli() -> None:

@@ -144,19 +144,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("SRC and OUT are required (or --from digits OUT)")
     import ray
 
+    from raytrain import ray_compat
+
     try:
         listing = streaming.list_image_folder(args.src)  # bad layouts fail before Ray starts
     except RaytrainError as err:
         print(f"error: {str(err).replace('--data-dir', 'SRC', 1)}", file=sys.stderr)
         return 2
     try:
-        ray.init(address=args.address or "local", logging_level="ERROR")
+        if args.address:
+            ray.init(address=args.address, logging_level="ERROR")
+        else:
+            ray_compat.init_local(logging_level="ERROR")
         counts = pack(args.src, args.out, args.short_side, args.shard_mb, listing=listing)
     except RaytrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        ray.shutdown()
+        ray_compat.shutdown()
     print(f"packed {counts['train']} train and {counts['val']} val images into {args.out}")
     return 0
 

@@ -185,6 +185,76 @@ def local_cpus() -> float:
 _LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
+# FALLBACK (2026-12-04). A new local cluster whose processes know their own address. Every Ray
+# process that looks for "the" cluster without an address (the State API's
+# dashboard/utils.py get_address_for_submission_client, services.py
+# get_ray_address_from_environment) takes $RAY_ADDRESS, else the address in
+# /tmp/ray/ray_current_cluster: the last `ray start` on the machine, dead or alive (a killed
+# head leaves it; Ray issues #45771, #27021). In Ray 2.60 the Train state actor's
+# reconciliation thread calls ray.util.state.get_actor every 30 s holding the lock the
+# controller's last update needs; with a dead cluster in that file it retried the dead GCS for
+# ~40 s and 2 of 3 runs ended 40 s after their last epoch (py-spy, issue #27). So a cluster
+# raytrain starts gets a GCS port chosen here ($RAY_GCS_SERVER_PORT, ray_constants
+# GCS_PORT_ENVIRONMENT_VARIABLE, read by _private/node.py for a new head) and $RAY_ADDRESS set
+# to it before it starts: each of its processes (raylet, controller, state actor, workers, Ray
+# Data tasks) inherits its own address; ``shutdown()`` restores the environment. Missing (or
+# the GCS came up elsewhere): a plain ray.init(address="local"); a dead cluster in the address
+# file may then stall a run's end by ~40 s.
+GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
+_LOST_GCS_PORT = ("a new local cluster's processes may follow a stale /tmp/ray address file "
+                  "(a run can end ~40 s late)")
+_saved_env: list[dict[str, str | None]] = []
+
+
+def init_local(**kwargs):
+    """``ray.init(address="local", **kwargs)``: a new cluster whose processes find it, not a
+    stale address file. Pair with ``shutdown()``."""
+    import socket
+
+    import ray
+    from ray.util import get_node_ip_address
+
+    name = _internal("ray._private.ray_constants", "GCS_PORT_ENVIRONMENT_VARIABLE")
+    if name is None:
+        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+        return ray.init(address="local", **kwargs)
+    port = os.environ.get(name)
+    if not port:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = str(sock.getsockname()[1])
+    wanted = f"{get_node_ip_address()}:{port}"
+    _saved_env.append({k: os.environ.get(k) for k in (name, "RAY_ADDRESS")})
+    os.environ.update({name: port, "RAY_ADDRESS": wanted})
+    try:
+        ctx = ray.init(address="local", **kwargs)
+    except BaseException:
+        _restore_env()
+        raise
+    actual = ctx.address_info.get("gcs_address")
+    if actual != wanted:  # the driver at least asks its own cluster
+        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+        os.environ["RAY_ADDRESS"] = actual
+    return ctx
+
+
+def shutdown() -> None:
+    """``ray.shutdown()``, then the environment as it was before ``init_local``."""
+    import ray
+
+    ray.shutdown()
+    _restore_env()
+
+
+def _restore_env() -> None:
+    while _saved_env:
+        for key, value in _saved_env.pop().items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
 # is up, beside the driver's preflight, instead of on the controller's way to the first step.
 # Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
@@ -513,6 +583,9 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
                                             "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
                           _LOST_SNAPSHOT),
+    GCS_PORT_ENV: (lambda: _internal("ray._private.ray_constants",
+                                     "GCS_PORT_ENVIRONMENT_VARIABLE") is not None,
+                   _LOST_GCS_PORT),
     LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
                  _LOST_LOCAL_CPUS),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),

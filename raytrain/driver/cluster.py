@@ -64,7 +64,7 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
         if keep_cluster:
             address = kept = start_head()
         else:
-            ctx = ray.init(address="local", **kwargs)
+            ctx = ray_compat.init_local(**kwargs)  # its processes know its address
             start_state_actor()
             console.print_dashboard(ctx.dashboard_url, kept=False)
             return True
