@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from raytrain import checkpoint, files, ray_compat, report, storage
+from raytrain import files, ray_compat, report, storage
 from raytrain.config import FIELDS, TrainConfig
 from raytrain.driver import console, tracking
 from raytrain.driver.cluster import train_env
@@ -142,11 +142,13 @@ def latest_checkpoint_epoch(run_location: str) -> int:
     Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
     short has no state file or a truncated one: torch.save writes a zip, its directory last).
     ``run_location``: a path or a bucket URI."""
+    from raytrain.checkpoint import STATE_FILE
+
     registered = ray_compat.registered_checkpoints(run_location)
     epochs = [int(d.rsplit("_", 1)[1]) for d in storage.listdir(run_location)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
               and (registered is None or d in registered[0])
-              and storage.is_zip(storage.join(run_location, d, checkpoint.STATE_FILE))]
+              and storage.is_zip(storage.join(run_location, d, STATE_FILE))]
     return max(epochs, default=0)
 
 
@@ -203,7 +205,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
             callbacks=callbacks if callbacks is not None else [
-                RunFiles(cfg.run_dir, cfg.run_location)],
+                _run_files_class()(cfg.run_dir, cfg.run_location)],
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
@@ -231,13 +233,32 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
                 functools.partial(latest_checkpoint_epoch, cfg.run_location))}
 
 
-def _run_files_base():
+def _storage_failure(*args) -> str:
+    from raytrain.checkpoint import storage_failure  # torch: imported when it is needed
+
+    return storage_failure(*args)
+
+
+def __getattr__(name: str):
+    """``RunFiles``, defined on first use: its base class imports ray.train (2 s), which a
+    driver imports beside Ray's start (``driver.cluster.connect``), not before it."""
+    if name == "RunFiles":
+        return _run_files_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _run_files_class() -> type:
     from ray.train.v2.api.callback import UserCallback
 
-    return UserCallback
+    class RunFiles(_RunFiles, UserCallback):
+        __doc__ = _RunFiles.__doc__
+
+    RunFiles.__module__, RunFiles.__qualname__ = __name__, "RunFiles"  # pickled by name
+    return RunFiles
 
 
-class RunFiles(_run_files_base()):
+class _RunFiles:
     """Train-controller callback (runs on the driver's node): writes metrics.jsonl/.csv and
     events.jsonl in the run directory after every report; a run on a bucket: in the driver's
     mirror, then uploads them to ``run_location``."""
@@ -324,7 +345,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
             try:
                 upload_run_files(cfg)
             except storage.UploadError as err:
-                raise TrainingError(checkpoint.storage_failure(
+                raise TrainingError(_storage_failure(
                     "the run trained but its files did not reach the bucket", err,
                     cfg.run.storage_path, f"{_kept(cfg)}; the files are in {cfg.run_dir}")
                 ) from None
@@ -342,6 +363,8 @@ def export_model(run_dir: str, ckpt) -> str | None:
     if ckpt is None:
         return None
     import torch
+
+    from raytrain import checkpoint
 
     with ckpt.as_directory() as directory:
         weights = checkpoint.model_weights(directory)
@@ -372,7 +395,7 @@ def _failed(cfg: TrainConfig, err: BaseException) -> str:
     if isinstance(cause, OSError):
         what = ("writing the run files failed" if cause.errno or isinstance(
             cause, storage.UploadError) else "writing to the run's storage failed")
-        return checkpoint.storage_failure(what, cause, cfg.run.storage_path,
+        return _storage_failure(what, cause, cfg.run.storage_path,
                                           _kept(cfg, getattr(cause, "kept", None)))
     restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
