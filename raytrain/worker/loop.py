@@ -53,7 +53,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
                resume: dict[str, Any] | None = None, source=None) -> None:
     """Train ``cfg`` on this worker's shards; report every epoch (all workers must call).
 
-    ``source``: where batches come from (``raytrain.data.streaming.Streamed`` for streamed
+    ``source``: where batches come from (``raytrain.data.sources.Streamed`` for streamed
     images, given by the Ray entry point); default: the built-in dataset, whole in memory."""
     device, o = worker.device, cfg.optim
     startup = {"process": process_started_at(), "loop": time.time()}  # -> time to first step
