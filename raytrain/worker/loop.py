@@ -1,9 +1,9 @@
 """The per-worker training loop: torch only, no Ray. It reads top to bottom.
 
 ``raytrain.worker.ray_entry.train_loop_per_worker`` (what Ray Train calls) reads the rank once
-and hands everything to ``run_worker``; under ``torchrun`` or in one plain process
-(``raytrain.worker.local``, ``python -m raytrain.loop --help``) the very same step runs, so a
-GPU can be timed without Ray.
+and hands everything to ``run_worker``; under ``torchrun`` or in one plain process (the face
+``raytrain/loop.py``: ``python -m raytrain.loop --help``) the very same step runs, so a GPU can
+be timed without Ray.
 """
 
 from __future__ import annotations
