@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.errors import ConfigError, RaytrainError  # noqa: F401 - re-exported
+from raytrain.model_names import check_model_name
 from raytrain.storage import SCHEMES as STORAGE_SCHEMES, local_dir
 
 BUILTIN = ("cifar10", "cifar100", "digits", "synthetic")
@@ -114,8 +115,6 @@ class ModelConfig:
                          "compiled step is not faster)")
 
     def __post_init__(self) -> None:
-        from raytrain.models import check_model_name
-
         check_model_name(self.model)
         _check(self.stem in STEMS, "stem", self.stem, "one of " + ", ".join(STEMS))
         if self.pretrained is not None:

@@ -554,7 +554,7 @@ def result_grid_trials(grid) -> list:
 # ---------------------------------------------------------------------------- Ray Data side
 
 
-# FALLBACK. The epoch of a streamed dataset (data/streaming.py). Ray Data counts the executions
+# FALLBACK. The epoch of a streamed dataset (data/decode.py). Ray Data counts the executions
 # of a dataset in its DataContext's private ``_execution_idx`` (data/context.py, advanced by
 # execution_idx_update_callback.py after each one); RandomSeedConfig(reseed_after_execution=
 # True) reseeds shuffles from the same counter. Under Train each epoch's pass over a shard is

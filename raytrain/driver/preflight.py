@@ -125,7 +125,7 @@ def check_local_resources(cfg: TrainConfig) -> None:
 def check_streamed_data(cfg: TrainConfig) -> int:
     """Your own images: list them (cached for the run), check the batch fills and the model
     takes the size. Returns the number of classes."""
-    from raytrain.data.streaming import list_dataset
+    from raytrain.data.listing import list_dataset
     from raytrain.models import check_input_size
 
     d = cfg.data
@@ -309,7 +309,7 @@ def size_data_cpus(cfg: TrainConfig, cluster_cpus: float) -> None:
     c, d = cfg.cluster, cfg.data
     if not d.streaming:
         return
-    from raytrain.data.streaming import check_data_cpus
+    from raytrain.data.pipeline import check_data_cpus
 
     runs = cfg.tune.max_concurrent_trials or 1 if cfg.tune.tune else 1
     want = d.data_cpus or 1.0

@@ -216,12 +216,12 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     flat = cfg.to_flat()
     if not cfg.data.streaming:
         return {"train_loop_config": flat}
-    from raytrain.data import streaming
+    from raytrain.data import pipeline
 
     d = cfg.data
     # Before the datasets are made: each keeps the DataContext of its making.
-    streaming.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
-    datasets, names, counts = streaming.build_datasets(
+    pipeline.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
+    datasets, names, counts = pipeline.build_datasets(
         d.dataset, d.data_dir, d.image_size, augment=d.augment is not False, seed=cfg.run.seed,
         decode_on_worker=d.decode == "worker")
     if os.path.isdir(cfg.run_dir):  # class names in label order, beside model.pt
@@ -229,7 +229,7 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     flat["stream"] = {"num_classes": len(names), "n_train": counts["train"],
                       "n_val": counts["val"]}
     return {"train_loop_config": flat, "datasets": datasets,
-            "dataset_config": streaming.data_config(
+            "dataset_config": pipeline.data_config(
                 functools.partial(latest_checkpoint_epoch, cfg.run_location))}
 
 

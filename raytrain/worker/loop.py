@@ -1,9 +1,9 @@
 """The per-worker training loop: torch only, no Ray. It reads top to bottom.
 
 ``raytrain.worker.ray_entry.train_loop_per_worker`` (what Ray Train calls) reads the rank once
-and hands everything to ``run_worker``; under ``torchrun`` or in one plain process
-(``raytrain.worker.local``, ``python -m raytrain.loop --help``) the very same step runs, so a
-GPU can be timed without Ray.
+and hands everything to ``run_worker``; under ``torchrun`` or in one plain process (the face
+``raytrain/loop.py``: ``python -m raytrain.loop --help``) the very same step runs, so a GPU can
+be timed without Ray.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
                resume: dict[str, Any] | None = None, source=None) -> None:
     """Train ``cfg`` on this worker's shards; report every epoch (all workers must call).
 
-    ``source``: where batches come from (``raytrain.data.streaming.Streamed`` for streamed
+    ``source``: where batches come from (``raytrain.data.sources.Streamed`` for streamed
     images, given by the Ray entry point); default: the built-in dataset, whole in memory."""
     device, o = worker.device, cfg.optim
     startup = {"process": process_started_at(), "loop": time.time()}  # -> time to first step
