@@ -185,31 +185,22 @@ def local_cpus() -> float:
 _LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
-# FALLBACK (2026-12-04). A new local cluster whose processes know their own address. Every Ray
-# process that looks for "the" cluster without an address (the State API's
-# dashboard/utils.py get_address_for_submission_client, services.py
-# get_ray_address_from_environment) takes $RAY_ADDRESS, else the address in
-# /tmp/ray/ray_current_cluster: the last `ray start` on the machine, dead or alive (a killed
-# head leaves it; Ray issues #45771, #27021). In Ray 2.60 the Train state actor's
-# reconciliation thread calls ray.util.state.get_actor every 30 s holding the lock the
-# controller's last update needs; with a dead cluster in that file it retried the dead GCS for
-# ~40 s and 2 of 3 runs ended 40 s after their last epoch (py-spy, issue #27). So a cluster
-# raytrain starts gets a GCS port chosen here ($RAY_GCS_SERVER_PORT, ray_constants
-# GCS_PORT_ENVIRONMENT_VARIABLE, read by _private/node.py for a new head) and $RAY_ADDRESS set
-# to it before it starts: each of its processes (raylet, controller, state actor, workers, Ray
-# Data tasks) inherits its own address; ``shutdown()`` restores the environment. Missing (or
-# the GCS came up elsewhere): a plain ray.init(address="local"); a dead cluster in the address
-# file may then stall a run's end by ~40 s.
+# FALLBACK (2026-12-04). A new local cluster whose processes know its address. A Ray process
+# looking for "the" cluster (the State API: dashboard/utils.py, services.py
+# get_ray_address_from_environment) takes $RAY_ADDRESS, else /tmp/ray/ray_current_cluster: the
+# last `ray start` here, dead or alive (Ray issues #45771, #27021). Ray 2.60's Train state actor
+# calls ray.util.state.get_actor every 30 s holding the lock the controller's last update needs;
+# following a dead cluster there it retried ~40 s: runs ended 40 s late (issue #27, py-spy).
+# So the GCS port is chosen here ($RAY_GCS_SERVER_PORT, ray_constants, read by _private/node.py)
+# and $RAY_ADDRESS set to it before the cluster starts: all its processes inherit it. Missing
+# (or the GCS came up elsewhere): a plain start; a stale file may stall a run's end by ~40 s.
 GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
-_LOST_GCS_PORT = ("a new local cluster's processes may follow a stale /tmp/ray address file "
-                  "(a run can end ~40 s late)")
+_LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (runs end late)"
 _saved_env: list[dict[str, str | None]] = []
 
 
 def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwargs):
-    """``ray.init(address="local", **kwargs)``: a new cluster whose processes find it, not a
-    stale address file, with ``warm_workers`` processes ready (``warm_env``). Pair with
-    ``shutdown()``."""
+    """``ray.init(address="local")`` whose processes find it (+ ``warm_env``); ``shutdown()``."""
     import socket
 
     import ray
@@ -220,11 +211,9 @@ def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwar
     if name is None:
         warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
     else:
-        port = os.environ.get(name)
-        if not port:
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                port = str(sock.getsockname()[1])
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = os.environ.get(name) or str(sock.getsockname()[1])
         env.update({name: port, "RAY_ADDRESS": f"{get_node_ip_address()}:{port}"})
     _saved_env.append({k: os.environ.get(k) for k in env})
     os.environ.update(env)
@@ -233,34 +222,10 @@ def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwar
     except BaseException:
         _restore_env()
         raise
-    actual = ctx.address_info.get("gcs_address")
-    if name is not None and actual != env["RAY_ADDRESS"]:  # the driver at least asks its own
+    if name is not None and ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
         warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
-        os.environ["RAY_ADDRESS"] = actual
+        os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]  # the driver's, at least
     return ctx
-
-
-# FALLBACK (2026-12-04). Worker processes ready before a run needs them, on a cluster raytrain
-# starts. Ray 2.60's raylet reads its RayConfig from $RAY_<name> when it starts
-# (src/ray/common/ray_config_def.h): enable_worker_prestart + num_prestart_python_workers start
-# that many Python workers at once, preload_python_modules has each import those modules
-# before it takes work (default_worker.py --worker-preload-modules), num_workers_soft_limit
-# keeps the idle ones from being reaped. Train's controller and workers then start on
-# processes that have torch and ray.train imported, while the driver is still building the
-# trainer (2 actors created: 1.5 s cold -> 0.6 s with torch loaded, on a loaded machine). Ray
-# has no public prestart API (the gRPC PrestartWorkers has no Python face in 2.60). Missing
-# (a Ray that ignores the variables): workers start cold, as before.
-WARM_MODULES = ("ray.train.torch", "raytrain.worker.ray_entry")
-
-
-def warm_env(count: int, modules: tuple[str, ...] = ()) -> dict[str, str]:
-    """The environment that has a new cluster start ``count`` worker processes, each with
-    ``WARM_MODULES`` and ``modules`` imported."""
-    if count <= 0:
-        return {}
-    return {"RAY_enable_worker_prestart": "1", "RAY_num_prestart_python_workers": str(count),
-            "RAY_num_workers_soft_limit": str(max(count, int(local_cpus()))),
-            "RAY_preload_python_modules": ",".join(WARM_MODULES + modules)}
 
 
 def shutdown() -> None:
@@ -274,10 +239,25 @@ def shutdown() -> None:
 def _restore_env() -> None:
     while _saved_env:
         for key, value in _saved_env.pop().items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+
+
+# FALLBACK (2026-12-04). Workers ready before a run needs them, on a cluster raytrain starts.
+# Ray 2.60's raylet reads RayConfig from $RAY_<name> (src/ray/common/ray_config_def.h):
+# enable_worker_prestart + num_prestart_python_workers start workers at once, each importing
+# preload_python_modules (default_worker.py) first; num_workers_soft_limit keeps them from being
+# reaped. Train's controller and workers then start on processes with torch and ray.train in
+# (2 actors: 1.5 s cold -> 0.6 s). No public prestart API in 2.60. Missing: workers start cold.
+WARM_MODULES = ("ray.train.torch", "raytrain.worker.ray_entry")
+
+
+def warm_env(count: int, modules: tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment for a new cluster: ``count`` workers, ``modules`` imported in each."""
+    if count <= 0:
+        return {}
+    return {"RAY_enable_worker_prestart": "1", "RAY_num_prestart_python_workers": str(count),
+            "RAY_num_workers_soft_limit": str(max(count, int(local_cpus()))),
+            "RAY_preload_python_modules": ",".join(modules or WARM_MODULES)}
 
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
@@ -531,8 +511,7 @@ def asha_setting(scheduler, name: str) -> Any:
 
 
 def asha_count_stopped(scheduler) -> None:
-    if hasattr(scheduler, "_num_stopped"):
-        scheduler._num_stopped += 1
+    scheduler._num_stopped = getattr(scheduler, "_num_stopped", 0) + 1
 
 
 # FALLBACK. The Trials of a finished search, with their statuses: ResultGrid has no public
@@ -545,9 +524,7 @@ def result_grid_trials(grid) -> list:
     analysis = getattr(grid, "_experiment_analysis", None)
     if analysis is None:
         warn_once(RESULT_GRID_TRIALS, "trial statuses are read back from the saved state")
-        from ray.tune import ExperimentAnalysis
-
-        analysis = ExperimentAnalysis(grid.experiment_path)
+        analysis = importlib.import_module("ray.tune").ExperimentAnalysis(grid.experiment_path)
     return list(analysis.trials)
 
 
