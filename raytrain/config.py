@@ -370,8 +370,8 @@ SEARCHES = ("random", "optuna")
 class TuneSettings:
     """Tune: search lr and batch size over many trainings (--tune); other flags stay fixed."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --tune --num-samples 8 --num-workers 1 "
-                              "--dataset digits --epochs 10")
+    example: ClassVar[str] = ("python -m raytrain.fit --tune --num-workers 1 --dataset digits "
+                              "--num-samples 4 --epochs 4")
 
     tune: bool = _opt(False, "run a Ray Tune search over --lr-range and --batch-sizes instead "
                       "of one training run; results in STORAGE_PATH/NAME")
