@@ -104,7 +104,8 @@ class ClusterConfig:
 class ModelConfig:
     """What network is trained."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --model resnet18 --stem cifar")
+    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --model resnet18 --stem "
+                              "cifar")
 
     model: str = _opt("seed-cnn", "seed-cnn (the seed DDP script's Net: 2 convs, fc 4096-512-"
                       "classes), lenet (LeNet-5, fastest), small-cnn (a fast BatchNorm CNN), "
@@ -131,8 +132,8 @@ class ModelConfig:
 class DataConfig:
     """What data is trained on."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --dataset imagefolder --data-dir ./digits-folder "
-                              "--image-size 32")
+    example: ClassVar[str] = ("python -m raytrain.fit --dataset imagefolder --data-dir "
+                              "./digits-folder --image-size 32")
 
     dataset: str = _opt("cifar10", "dataset: a built-in one (loaded whole into every worker), "
                         "or your own images streamed by Ray Data: imagefolder (DIR/train/"
@@ -198,7 +199,7 @@ class DataConfig:
 
 @dataclass
 class RecipeConfig:
-    """The recipe pieces of a modern image trainer, each off by default (part of optim)."""
+    """The recipe pieces of a modern image trainer, each off by default (YAML section: optim)."""
 
     example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --label-smoothing 0.1 "
                               "--mixup 0.2 --ema 0.999 --warmup-epochs 2")
@@ -235,8 +236,8 @@ class RecipeConfig:
 class OptimConfig(RecipeConfig):
     """How the network is trained. Learning rate and batch size are global."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --optimizer adamw --lr 0.003 "
-                              "--lr-schedule cosine --precision bf16")
+    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --optimizer adamw --lr "
+                              "0.003 --lr-schedule cosine --precision bf16")
 
     epochs: int = _opt(30, "passes over the training set")
     batch_size: int = _opt(128, "GLOBAL batch: each worker gets batch_size // num_workers")
@@ -271,7 +272,7 @@ class OptimConfig(RecipeConfig):
 
 @dataclass
 class StorageConfig:
-    """Where run directories and checkpoints live, and how many are kept (part of run)."""
+    """Where run directories and checkpoints live, and how many are kept (YAML section: run)."""
 
     example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --storage-path "
                               "/mnt/efs/runs --shared-storage --keep-checkpoints 3")
@@ -305,7 +306,8 @@ class StorageConfig:
 class RunSettings(StorageConfig):
     """Naming, seed and logging of one run, and the flags that say what to do with it."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --name digits-a --seed 1 --dry-run")
+    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --name digits-a --seed 1 "
+                              "--dry-run")
 
     name: str | None = _opt(None, "run name; the run directory is STORAGE_PATH/NAME "
                             "(default: run-YYYYmmdd-HHMMSS)")
@@ -326,8 +328,8 @@ class RunSettings(StorageConfig):
 class TrackingConfig:
     """Experiment tracking: the driver logs runs to MLflow (pip install 'raytrain[mlflow]')."""
 
-    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --mlflow-uri http://127.0.0.1:5000 "
-                              "--mlflow-experiment searches")
+    example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --mlflow-uri "
+                              "http://127.0.0.1:5000 --mlflow-experiment searches")
 
     mlflow_uri: str | None = _opt(None, "MLflow tracking URI (http://HOST:PORT of `mlflow "
                                   "server`, or sqlite:///FILE): log this run there, or a "
@@ -450,7 +452,8 @@ def _normalize_list(value: Any) -> str:
 
 
 # --help's groups, in --help's order: each lists the fields its dataclass declares itself
-# (RecipeConfig's and StorageConfig's fields are inherited by OptimConfig and RunSettings).
+# (RecipeConfig's and StorageConfig's fields are inherited by OptimConfig and RunSettings);
+# each dataclass's `example` is its group's example line in --help and docs/flags.md.
 GROUPS = {"run": RunSettings, "data": DataConfig, "model": ModelConfig,
           "optimisation": OptimConfig, "recipe": RecipeConfig, "Tune": TuneSettings,
           "cluster": ClusterConfig, "storage": StorageConfig, "tracking": TrackingConfig}
