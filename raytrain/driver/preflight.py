@@ -270,7 +270,7 @@ def preflight(cfg: TrainConfig) -> Shape:
     if groups:  # nodes that join later are other hosts: a local path would be split
         check_storage_for_multinode(cfg.run.storage_path, [
             {"Alive": True, "NodeManagerAddress": "head"},
-            {"Alive": True, "NodeManagerAddress": "autoscaled"}], c.shared_storage)
+            {"Alive": True, "NodeManagerAddress": "autoscaled"}], cfg.run.shared_storage)
     patient = can_grow or isinstance(c.num_workers, tuple)
     deadline = time.monotonic() + (c.wait_timeout if patient else 0)
     requested = False
@@ -293,7 +293,7 @@ def preflight(cfg: TrainConfig) -> Shape:
               + f"; --wait-timeout {c.wait_timeout:g}s", flush=True)
         time.sleep(min(5.0, left))
     _clear_request(requested)  # the workers' placement group now holds what they need
-    check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
+    check_storage_for_multinode(cfg.run.storage_path, alive, cfg.run.shared_storage)
     return Shape(use_gpu=use_gpu, one_host=len(alive) == 1 and not groups, can_grow=can_grow)
 
 
