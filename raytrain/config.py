@@ -238,8 +238,9 @@ class OptimConfig(RecipeConfig):
     example: ClassVar[str] = ("python -m raytrain.fit --dataset digits --optimizer adamw --lr "
                               "0.003 --lr-schedule cosine --precision bf16")
 
-    epochs: int = _opt(30, "passes over the training set")
-    batch_size: int = _opt(128, "GLOBAL batch: each worker gets batch_size // num_workers")
+    epochs: int = _opt(None, "passes over the training set (default: 15 for digits, else 30)")
+    batch_size: int = _opt(None, "GLOBAL batch: each worker gets batch_size // num_workers "
+                           "(default: 64 for digits, else 128)")
     lr: float = _opt(0.05, "peak learning rate, for the global batch")
     momentum: float = _opt(0.9, "SGD momentum (AdamW beta1)")
     weight_decay: float = _opt(5e-4, "L2 weight decay")
@@ -253,6 +254,8 @@ class OptimConfig(RecipeConfig):
                            choices=NAN_POLICIES)
 
     def __post_init__(self) -> None:
+        if self.epochs is None or self.batch_size is None:
+            return  # TrainConfig sets them by dataset (DATASET_DEFAULTS), then checks
         _check(self.epochs >= 1, "epochs", self.epochs, "a whole number >= 1")
         _check(self.batch_size >= 1, "batch_size", self.batch_size, "a whole number >= 1")
         _check(math.isfinite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0")
@@ -458,6 +461,13 @@ GROUPS = {"run": RunSettings, "data": DataConfig, "model": ModelConfig,
           "cluster": ClusterConfig, "storage": StorageConfig, "tracking": TrackingConfig}
 
 # the config's sections: TrainConfig's attributes and the YAML section names
+# Defaults that depend on the data. digits (1,437 training images): 15 epochs of 23 steps
+# reach test_acc 1.0000, 0.9972, 0.9972 on seeds 0-2 (torchrun -m raytrain.loop, 2 ranks),
+# where 30 epochs of 11 steps gave 1.0000 but 15 of 11 gave 0.9889 twice and 20 of 11
+# 0.9944/0.9917: more, smaller steps learn it sooner, in half the epochs (issue #27).
+DATASET_DEFAULTS: dict[str | None, dict[str, int]] = {
+    "digits": {"epochs": 15, "batch_size": 64}, None: {"epochs": 30, "batch_size": 128}}
+
 SECTIONS = {"cluster": ClusterConfig, "model": ModelConfig, "data": DataConfig,
             "optim": OptimConfig, "run": RunSettings, "tune": TuneSettings,
             "tracking": TrackingConfig}
@@ -488,6 +498,12 @@ class TrainConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        if self.optim.epochs is None or self.optim.batch_size is None:
+            for key, value in DATASET_DEFAULTS.get(self.data.dataset, DATASET_DEFAULTS[None]
+                                                   ).items():
+                if getattr(self.optim, key) is None:
+                    setattr(self.optim, key, value)
+            self.optim.__post_init__()
         _check(self.optim.batch_size >= self.cluster.max_workers, "batch_size",
                self.optim.batch_size,
                f"at least --num-workers ({self.cluster.max_workers}): the batch is global")

@@ -53,5 +53,5 @@ def test_finetune_recipes_run_without_weights():
 def test_digits_yaml_example_resolves():
     cfg = fit.resolve(fit.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "examples", "digits.yaml")]))
-    assert cfg.data.dataset == "digits" and cfg.per_worker_batch == 64
+    assert cfg.data.dataset == "digits" and cfg.per_worker_batch == 32 and cfg.optim.epochs == 15
 
