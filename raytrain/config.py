@@ -584,27 +584,3 @@ FIELDS: dict[str, tuple[str, dataclasses.Field]] = {
     f.name: (name, f) for name, sec in SECTIONS.items() for f in dataclasses.fields(sec)
 }
 
-
-def coerce(key: str, value: Any) -> Any:
-    """Convert a CLI/YAML value to the field's type, naming the key when it can't be."""
-    f = FIELDS[key][1]
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-    if value is None or key == "num_workers":
-        return value
-    try:
-        if kind.startswith("int"):
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(value)
-        if kind.startswith("float"):
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if kind.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            raise ValueError
-    except (TypeError, ValueError):
-        accepted = {"i": "a whole number", "f": "a number", "b": "true or false"}[kind[0]]
-        raise ConfigError(key, value, accepted) from None
-    return str(value) if kind.startswith("str") else value

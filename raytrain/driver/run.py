@@ -7,10 +7,12 @@ result into run files, exported weights and a summary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -182,15 +184,22 @@ def checkpoint_config(keep: int):
 
 
 def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
-                  driver_outlives_run: bool = False):
+                  driver_outlives_run: bool = False, record: str | None = None):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
-    (``ray_compat.make_trainer``)."""
+    (``ray_compat.make_trainer``). ``record``: a file where its controller notes itself
+    (``driver.placement``), so that what it leaves can be removed."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
     from raytrain.worker.ray_entry import train_loop_per_worker
 
     c = cfg.cluster
+    if callbacks is None:
+        callbacks = [_run_files_class()(cfg.run_dir, cfg.run_location)]
+        if record is not None and ray_compat.has_placement_group_table():
+            from raytrain.driver.placement import RecordPlacementGroup
+
+            callbacks.append(RecordPlacementGroup(record))
     return ray_compat.make_trainer(
         train_loop_per_worker,
         fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
@@ -204,8 +213,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             # A finite controller limit: no failure is retried forever.
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
-            callbacks=callbacks if callbacks is not None else [
-                _run_files_class()(cfg.run_dir, cfg.run_location)],
+            callbacks=callbacks,
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
@@ -312,7 +320,9 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
-    trainer = build_trainer(cfg, shape)
+    fd, record = tempfile.mkstemp(prefix="raytrain-controller-", suffix=".jsonl")
+    os.close(fd)
+    trainer = build_trainer(cfg, shape, record=record)
     driver = [("Ray up", connected_at), ("preflight", time.time())]
     # Both read the run directory's files on the driver while fit() blocks (driver/tracking.py
     # says why MLflow is fed from here, not from the controller's RunFiles callback).
@@ -327,6 +337,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
                 raise TrainingError(_failed(cfg, err)) from None
             finally:  # the controller is gone: nothing registers a checkpoint any more
                 prune_checkpoints(cfg.run_location)
+                remove_left_groups(record)
         if result is not None and result.error is not None:
             _upload_quietly(cfg)
             raise TrainingError(_failed(cfg, result.error))
@@ -356,6 +367,25 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     return Summary(cfg.run_location, rows, time.time() - started_at,
                    first[0]["first_step_at"] - started_at if first else None, model_path,
                    report.startup_phases(started_at, driver, first[0]) if first else None)
+
+
+def remove_left_groups(record: str) -> None:
+    """Remove the placement groups the run's controller left, then ``record``. A controller
+    that ends abnormally (Ctrl-C, a failure past its budget) may leave its workers' group, or
+    make one in its last moments, and Ray keeps it until the driver's job ends: for a driver
+    that goes on (a notebook, the test suite's shared cluster) its CPUs stayed held for good
+    (the cause of the suite's "session cluster's CPUs are still held"). The run is over here,
+    so any group its controller made serves nothing."""
+    try:
+        from raytrain.driver.placement import controllers_in, remove_groups
+
+        if ray_compat.has_placement_group_table():
+            remove_groups(controllers_in([record]), alive_too=True)
+    except Exception:  # noqa: BLE001 - Ray already shut down (Ctrl-C): nothing is left
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(record)
 
 
 def export_model(run_dir: str, ckpt) -> str | None:
