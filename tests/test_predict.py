@@ -119,6 +119,7 @@ def test_labels_every_image_once_with_the_runs_classes_and_evaluates_score(
 
 
 def test_bucket_model_input_and_output(s3_server, ray_cluster, run_dir, flat_folder, flat_preds):
+    import pyarrow as pa
     import pyarrow.csv as pcsv
 
     from raytrain import storage
@@ -129,11 +130,13 @@ def test_bucket_model_input_and_output(s3_server, ray_cluster, run_dir, flat_fol
     out = "s3://predict-in/out/preds.csv"
     rc, _, err = _predict(model, "--data-dir", images, "--out", out)
     assert rc == 0, err
-    rows = pcsv.read_csv(io.BytesIO(storage.read_bytes(out))).to_pylist()
+    strings = pcsv.ConvertOptions(column_types={"class": pa.string()})
+    rows = pcsv.read_csv(io.BytesIO(storage.read_bytes(out)), convert_options=strings
+                         ).to_pylist()
     assert len(rows) == N_VAL + 2 and "topk_class" not in rows[0]
-    prefix = "predict-in/new/"
+    prefix = "s3://predict-in/new/"
     local = {os.path.relpath(r["path"], root): r["class"] for r in flat_preds[0].to_pylist()}
-    remote = {r["path"].removeprefix(prefix): r["class"] for r in rows}
+    remote = {r["path"].removeprefix(prefix): r["class"] or None for r in rows}  # null: ""
     assert remote == local  # same weights, same images, same rows
 
 

@@ -78,10 +78,11 @@ def read_each(fs, paths) -> list:
 
 class DecodeRows:
     """Ray Data task function: rows (``path``, or ``image`` bytes) -> ``image`` uint8
-    [B, 3, N, N] eval crops, ``path``, ``error`` ("" for a good image)."""
+    [B, 3, N, N] eval crops, ``path``, ``error`` ("" for a good image). ``prefix``: put before
+    the paths written (``s3://``: pyarrow's paths in a bucket have no scheme)."""
 
-    def __init__(self, fs, size: int, draft: bool = True):
-        self.fs, self.size, self.draft = fs, size, draft
+    def __init__(self, fs, size: int, prefix: str = "", draft: bool = True):
+        self.fs, self.size, self.prefix, self.draft = fs, size, prefix, draft
 
     def __call__(self, batch: dict) -> dict:
         if "image" in batch:
@@ -90,6 +91,8 @@ class DecodeRows:
             datas = read_each(self.fs, list(batch["path"]))
         n = len(datas)
         paths = [str(p) for p in batch["path"]] if "path" in batch else [""] * n
+        if self.prefix and "image" not in batch:
+            paths = [self.prefix + p for p in paths]
         out = np.zeros((n, self.size, self.size, 3), np.uint8)
         errors = [""] * n
         for i, data in enumerate(datas):
@@ -169,7 +172,8 @@ def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k
     from raytrain.data.streaming import fast_context, listing_dataset
 
     fs = storage.resolve_fs(found.data_dir, "data_dir")[0]
-    decode = DecodeRows(fs, spec.image_size)
+    prefix = f"{storage.scheme(found.data_dir)}://" if storage.is_uri(found.data_dir) else ""
+    decode = DecodeRows(fs, spec.image_size, prefix)
     if found.kind == "images":
         ds = listing_dataset(found.table, ROWS_PER_TASK, shuffle=False, seed=0, fn=decode)
     else:
@@ -181,7 +185,8 @@ def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k
     ds = ds.map_batches(
         Predictor, batch_size=batch_size, batch_format="numpy", zero_copy_batch=True,
         fn_constructor_args=(spec.to_dict(), [ray.put(weights)], plan.use_gpu, top_k),
-        compute=ray.data.ActorPoolStrategy(size=plan.num_workers), num_cpus=plan.cpus_per_worker,
+        compute=ray.data.ActorPoolStrategy(size=plan.num_workers),
+        num_cpus=plan.cpus_per_worker,
         num_gpus=1 if plan.use_gpu else None)
     return fast_context(ds)
 
