@@ -116,22 +116,18 @@ def _run(cfg, spec, weights, found, t0: float) -> Summary:
 
 
 class Progress:
-    """A line every ``every`` seconds: done/total, images/s since the first row, ETA."""
+    """A line every ``every`` seconds: done/total, images/s so far, ETA."""
 
     def __init__(self, total: int, every: float):
         self.total, self.every = total, every
         self.start = self.last = time.monotonic()
-        self.first: tuple[float, int] | None = None
 
     def update(self, done: int, errors: int) -> None:
         now = time.monotonic()
-        if self.first is None:
-            self.first = (now, done)  # rates from the first rows: start-up is not throughput
         if not self.every or now - self.last < self.every:
             return
         self.last = now
-        t1, n1 = self.first
-        rate = (done - n1) / (now - t1) if now > t1 and done > n1 else 0.0
+        rate = done / (now - self.start)  # start-up included: what the whole run will average
         eta = f"{(self.total - done) / rate:.0f}s" if rate > 0 else "?"
         print(f"predict: {done:,}/{self.total:,} images  {rate:,.0f} images/s  ETA {eta}  "
               f"errors {errors:,}", flush=True, file=sys.stdout)
