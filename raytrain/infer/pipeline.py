@@ -19,6 +19,7 @@ object-store budget (backpressure), so memory does not grow with the number of i
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -135,8 +136,10 @@ class Predictor:
     def __call__(self, batch: dict):
         import torch
 
-        x = torch.from_numpy(np.ascontiguousarray(batch["image"])).to(self.device,
-                                                                     non_blocking=True)
+        with warnings.catch_warnings():  # Ray's batch is read-only; nothing here writes it
+            warnings.simplefilter("ignore", UserWarning)
+            x = torch.from_numpy(np.ascontiguousarray(batch["image"]))
+        x = x.to(self.device, non_blocking=True)
         with torch.inference_mode(), torch.autocast(self.device.type, dtype=self.amp,
                                                     enabled=self.amp is not None):
             probs = torch.softmax(self.model(self.aug(x)).float(), dim=1)
