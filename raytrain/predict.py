@@ -92,12 +92,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags from PredictConfig's fields (types from their defaults' annotations)."""
-    p = _Parser(prog="raytrain-predict", description=__doc__.splitlines()[0].strip("`"),
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _Parser(prog="raytrain-predict", description="Label images at scale on a Ray cluster "
+                "with a trained model: one row per image file (path, class, label, prob, "
+                "error) in a Parquet or CSV file.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     for f in dataclasses.fields(PredictConfig):
         meta, kind = f.metadata, str(f.type)
-        kwargs = {"help": meta["help"]}
+        shown = f.default not in (None, False) and not meta.get("positional")
+        kwargs = {"help": meta["help"] + (f" (default: {f.default})" if shown else "")}
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
         if kind.startswith("bool"):

@@ -108,7 +108,8 @@ def test_labels_every_image_once_with_the_runs_classes_and_evaluates_score(
     for r in good:
         assert r["class"] == names[r["label"]] and r["topk_class"][0] == r["class"]
         assert r["topk_prob"][0] == pytest.approx(r["prob"])
-        assert r["topk_prob"] == sorted(r["topk_prob"], reverse=True) and sum(r["topk_prob"]) <= 1.0001
+        assert r["topk_prob"] == sorted(r["topk_prob"], reverse=True)
+        assert sum(r["topk_prob"]) <= 1.0001
     # The accuracy the rows imply is evaluate's on the same images (the run's val split)
     result = evaluate.evaluate_path(str(run_dir), "seed-cnn", "imagefolder", digits_folder,
                                     image_size=32)
