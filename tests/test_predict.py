@@ -117,6 +117,7 @@ def test_labels_every_image_once_with_the_runs_classes_and_evaluates_score(
     assert _correct(good, truth, root) == round(result["test_acc"] * N_VAL)
     assert result["test_acc"] > 0.3  # learned something (chance is 0.1)
     assert f"predicted {N_VAL + 2} images (2 could not be read)" in said
+    assert f"/{N_VAL + 2:,} images" in said and "images/s  ETA" in said  # a progress line
 
 
 def test_bucket_model_input_and_output(s3_server, ray_cluster, run_dir, flat_folder, flat_preds):
@@ -157,6 +158,24 @@ def test_parquet_input_from_pack(ray_cluster, run_dir, digits_folder, tmp_path):
     result = evaluate.evaluate_path(str(run_dir), "seed-cnn", "imagefolder", digits_folder,
                                     image_size=32)
     assert correct == round(result["test_acc"] * N_VAL)
+
+
+def test_a_run_that_fails_midway_leaves_no_file_and_the_old_one_whole(tmp_path):
+    import pyarrow as pa
+
+    from raytrain.infer.output import Output
+
+    rows = pa.table({"path": ["a.jpg"], "class": ["cat"], "label": [0], "prob": [0.9],
+                     "error": [""]})
+    out = tmp_path / "p.parquet"
+    with Output(str(out), top_k=1) as o:
+        o.write(rows)
+    with pytest.raises(KeyboardInterrupt):
+        with Output(str(out), top_k=1) as o:
+            o.write(rows)
+            o.write(rows)
+            raise KeyboardInterrupt  # Ctrl-C between two batches
+    assert os.listdir(tmp_path) == ["p.parquet"] and pq.read_table(out).num_rows == 1
 
 
 # ---------------------------------------------------------------------------- bad input
