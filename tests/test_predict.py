@@ -142,6 +142,25 @@ def test_bucket_model_input_and_output(s3_server, ray_cluster, run_dir, flat_fol
     assert remote == local  # same weights, same images, same rows
 
 
+def test_checkpoint_directory_as_model(ray_cluster, run_dir, flat_folder, tmp_path):
+    """A checkpoint directory: its state.pt, the run's config.yaml and classes.json above it."""
+    (ckpt,) = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_")
+                     and os.path.isdir(run_dir / d))[-1:]
+    some = tmp_path / "some"
+    os.makedirs(some)
+    for rel in sorted(flat_folder[1])[:20]:
+        shutil.copy(os.path.join(flat_folder[0], rel), some / os.path.basename(rel))
+    out = tmp_path / "p.csv"
+    rc, _, err = _predict(str(run_dir / ckpt), "--data-dir", str(some), "--out", str(out))
+    assert rc == 0, err
+    import csv
+
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    names = json.loads((run_dir / "classes.json").read_text())
+    assert len(rows) == 20 and all(r["class"] in names and not r["error"] for r in rows)
+
+
 def test_parquet_input_from_pack(ray_cluster, run_dir, digits_folder, tmp_path):
     from raytrain import pack
 

@@ -63,11 +63,12 @@ def resolve(path: str, model: str | None = None, classes: str | None = None,
     outputs = head_outputs(name, weights, path)
     if names is None:
         names = [str(i) for i in range(outputs)]
-    elif len(names) != outputs:
-        flag = "classes" if classes else "model"
-        shown = classes if classes else path
-        raise ConfigError(flag, shown, f"{outputs} class names: the weights' head has "
+    elif len(names) != outputs and classes:
+        raise ConfigError("classes", classes, f"{outputs} class names: the weights' head has "
                           f"{outputs} outputs, the class list has {len(names)}")
+    elif len(names) != outputs:
+        raise RaytrainError(f"{path}: its classes.json has {len(names)} names but the "
+                            f"weights' head has {outputs} outputs; pass --classes")
     mean, std = normalization(saved.get("dataset"), normalize or saved.get("normalize",
                                                                             "dataset"))
     spec = ModelSpec(name, list(names), int(size), stem, tuple(mean), tuple(std), path)
