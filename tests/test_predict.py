@@ -345,3 +345,19 @@ def test_predicts_more_decoded_images_than_the_object_store_holds(tmp_path):
     print(proc.stdout[-500:])
     # The driver held rows (~40 bytes each), never the pixels (117 MiB): it would grow by that
     assert growth < 58, growth
+
+
+def test_decode_tasks_are_not_fused_into_the_inference_actors(ray_cluster, bare):
+    """Ray 2.60 fuses a task map into the next actor map when their resources are equal: the
+    images were then decoded inside the actors, the CPUs left for decoding idle."""
+    from raytrain.infer import inputs, model, pipeline
+
+    spec, weights = model.resolve(str(bare / "model.pt"), model="lenet")
+    found = inputs.list_inputs(str(bare / "imgs"))
+    plan = pipeline.size_layout(2, 0, num_workers=1, use_gpu=False)
+    ds = pipeline.build_dataset(spec, weights, found, plan, batch_size=2, top_k=1)
+    rows = [r for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow")
+            for r in batch.to_pylist()]
+    assert len(rows) == 3 and all(r["class"] in [str(i) for i in range(10)] for r in rows)
+    stats = ds.stats()
+    assert "MapBatches(Predictor)" in stats and "->MapBatches(Predictor)" not in stats, stats
