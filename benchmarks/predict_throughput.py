@@ -32,16 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from folder_ingest import generate  # noqa: E402
 
-from raytrain.data import streaming  # noqa: E402
+from raytrain.data.decode import EVAL_RESIZE, decode_crop  # noqa: E402
+from raytrain.data.sources import IMAGENET_MEAN, IMAGENET_STD  # noqa: E402
 
 
 def single_core(files: list[str], size: int) -> float:
     datas = [open(f, "rb").read() for f in files]
     for d in datas[:10]:  # warm-up
-        streaming.decode_crop(d, size, False, None)
+        decode_crop(d, size, False, None)
     t = time.perf_counter()
     for d in datas:
-        streaming.decode_crop(d, size, False, None)
+        decode_crop(d, size, False, None)
     return len(datas) / (time.perf_counter() - t)
 
 
@@ -62,8 +63,8 @@ def plain_loop(root: str, weights: str, model_name: str, size: int, batch: int, 
     model = model.eval().to(dev)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
-    tf = T.Compose([T.Resize(int(size * streaming.EVAL_RESIZE)), T.CenterCrop(size),
-                    T.ToTensor(), T.Normalize(streaming.IMAGENET_MEAN, streaming.IMAGENET_STD)])
+    tf = T.Compose([T.Resize(int(size * EVAL_RESIZE)), T.CenterCrop(size),
+                    T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     t0 = time.perf_counter()
     ds = ImageFolder(root, transform=tf)
     dl = DataLoader(ds, batch_size=batch, num_workers=workers, pin_memory=cuda)

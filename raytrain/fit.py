@@ -66,10 +66,7 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
     try:
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
-        if started_cluster:
-            from raytrain import ray_compat
-
-            ray_compat.shutdown()
+        cluster.disconnect(started_cluster)
 
 
 def main_cli() -> None:

@@ -61,7 +61,7 @@ class PredictConfig:
     verbose: bool = _opt(False, "Ray's and Ray Data's own logs and progress bars")
 
     def __post_init__(self) -> None:
-        from raytrain.models import check_model_name
+        from raytrain.model_names import check_model_name
 
         for key in ("data_dir", "out"):
             if not getattr(self, key):

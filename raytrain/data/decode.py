@@ -132,7 +132,7 @@ def read_files(fs, paths) -> list[bytes]:
     return [one(p) for p in paths]
 
 
-def _image_bytes(col) -> list[bytes]:
+def image_bytes(col) -> list[bytes]:
     """An ``image`` column as bytes: binary values or HF's {bytes, path} structs."""
     return [v["bytes"] if isinstance(v, dict) else v for v in col]
 
@@ -159,7 +159,7 @@ def _name_row(name: str) -> np.ndarray:
     return np.frombuffer(data.ljust(NAME_BYTES, b"\0"), np.uint8)
 
 
-def _why(err: BaseException) -> str:
+def why_unreadable(err: BaseException) -> str:
     from PIL import UnidentifiedImageError
 
     if isinstance(err, UnidentifiedImageError):  # its message names an in-memory BytesIO
@@ -186,7 +186,7 @@ class DecodeFn:
 
     def __call__(self, batch: dict) -> dict:
         if "image" in batch:
-            datas = _image_bytes(batch["image"])
+            datas = image_bytes(batch["image"])
         else:
             datas = read_files(self.fs, list(batch["path"]))
         n = len(datas)
@@ -207,7 +207,7 @@ class DecodeFn:
                                      crop_rng(self.seed, epoch, int(keys[i])), self.draft)
             except Exception as err:  # PIL raises many kinds for a corrupt or truncated file
                 name = names[i] if names is not None else f"row key {keys[i]}"
-                bad[i] = _name_row(f"{name} ({_why(err)})")
+                bad[i] = _name_row(f"{name} ({why_unreadable(err)})")
         return {"image": np.ascontiguousarray(out.transpose(0, 3, 1, 2)), "label": labels,
                 "bad": bad}
 
@@ -254,6 +254,6 @@ def decode_batch(datas, size: int, train: bool, seed: int, epoch: int, keys, dev
                                   [size, size], antialias=True)
         except RuntimeError as err:
             name = names[i] if names is not None else f"row key {keys[i]}"
-            bad.append((i, f"{name} ({_why(err)})"))
+            bad.append((i, f"{name} ({why_unreadable(err)})"))
     return out, bad
 

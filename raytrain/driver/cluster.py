@@ -125,6 +125,12 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
     return False
 
 
+def disconnect(started: bool) -> None:
+    """Stop the cluster ``connect`` started (and restore the environment it set)."""
+    if started:
+        ray_compat.shutdown()
+
+
 def train_env(shape: Shape | None = None) -> None:
     """Settings Ray Train reads from the environment of the process that runs a trainer (the
     driver, or a Tune trial) and passes on to its controller and workers."""

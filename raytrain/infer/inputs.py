@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.data.streaming import IMG_EXTENSIONS
+from raytrain.data.listing import IMG_EXTENSIONS
 from raytrain.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from raytrain.errors import ConfigError, RaytrainError
 
-IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # data.streaming's, for own images
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # data.sources', for own images
 
 
 @dataclass
@@ -55,7 +55,7 @@ def resolve(path: str, model: str | None = None, classes: str | None = None,
     if name is None:
         raise ConfigError("model", None, f"the network of the bare weights file {path} (e.g. "
                           "resnet18; a run directory's config.yaml names it itself)")
-    from raytrain.models import check_model_name
+    from raytrain.model_names import check_model_name
 
     check_model_name(name)
     size = image_size or saved.get("image_size") or (32 if name in _custom() else 224)

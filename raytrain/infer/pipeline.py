@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from raytrain.data.streaming import _image_bytes, _why, decode_crop
+from raytrain.data.decode import decode_crop, image_bytes, why_unreadable
 from raytrain.errors import ConfigError, RaytrainError
 
 ROWS_PER_TASK = 64  # images per decode task: the training path's decode batch
@@ -44,7 +44,7 @@ def size_layout(cluster_cpus: float, cluster_gpus: float, num_workers: int, use_
     waits, it does not fail; the ingest notes saw an actor pool sized to the CPUs hang).
     Without --cpus-per-worker an actor takes 1 CPU, or less where 1 would leave the decode
     tasks under --data-cpus (default 1), as training's workers do (preflight.size_data_cpus)."""
-    from raytrain.data.streaming import check_data_cpus
+    from raytrain.data.pipeline import check_data_cpus
 
     if use_gpu and num_workers > cluster_gpus:
         raise ConfigError("num_workers", num_workers, f"at most {cluster_gpus:g} with --use-gpu "
@@ -87,7 +87,7 @@ class DecodeRows:
 
     def __call__(self, batch: dict) -> dict:
         if "image" in batch:
-            datas = _image_bytes(batch["image"])
+            datas = image_bytes(batch["image"])
         else:
             datas = read_each(self.fs, list(batch["path"]))
         n = len(datas)
@@ -102,7 +102,7 @@ class DecodeRows:
                     raise data
                 out[i] = decode_crop(data, self.size, False, None, self.draft)
             except Exception as err:  # PIL raises many kinds for a corrupt or truncated file
-                errors[i] = _why(err)
+                errors[i] = why_unreadable(err)
         return {"image": np.ascontiguousarray(out.transpose(0, 3, 1, 2)),
                 "path": np.array(paths, dtype=object), "error": np.array(errors, dtype=object)}
 
@@ -172,7 +172,7 @@ def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k
     import ray.data
 
     from raytrain import storage
-    from raytrain.data.streaming import fast_context, listing_dataset
+    from raytrain.data.pipeline import fast_context, listing_dataset
 
     fs = storage.resolve_fs(found.data_dir, "data_dir")[0]
     prefix = f"{storage.scheme(found.data_dir)}://" if storage.is_uri(found.data_dir) else ""

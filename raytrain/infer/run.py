@@ -70,16 +70,13 @@ def predict(cfg) -> Summary:
     try:
         return _run(cfg, spec, weights, found, t0)
     finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+        cluster.disconnect(started)
 
 
 def _run(cfg, spec, weights, found, t0: float) -> Summary:
     import ray
 
-    from raytrain.data.streaming import reserve_data_cpus
+    from raytrain.data.pipeline import reserve_data_cpus
     from raytrain.infer.output import Output
     from raytrain.infer.pipeline import build_dataset, run_failed, size_layout
 

@@ -217,9 +217,9 @@ def tune_config(cfg: TrainConfig, concurrent: int):
     return tune.TuneConfig(scheduler=scheduler(cfg),
                            search_alg=search, num_samples=t.num_samples,
                            max_concurrent_trials=concurrent if t.search == "optuna" else None,
-                           # A trial's process (Python, ray.train, raytrain imported: seconds
-                           # on a small machine) serves the next trial; PBT restarts its own.
-                           reuse_actors=t.scheduler != "pbt",
+                           # Ray 2.60 cannot reuse a function trial's process: "Trainable
+                           # runner reuse requires reset_config()" failed trials when tried.
+                           reuse_actors=False,
                            trial_dirname_creator=_tune_dirname)
 
 
