@@ -186,14 +186,13 @@ _LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
 # FALLBACK (2026-12-04). A new local cluster whose processes know its address. A Ray process
-# looking for "the" cluster (the State API: dashboard/utils.py, services.py
-# get_ray_address_from_environment) takes $RAY_ADDRESS, else /tmp/ray/ray_current_cluster: the
-# last `ray start` here, dead or alive (Ray issues #45771, #27021). Ray 2.60's Train state actor
-# calls ray.util.state.get_actor every 30 s holding the lock the controller's last update needs;
-# following a dead cluster there it retried ~40 s: runs ended 40 s late (issue #27, py-spy).
-# So the GCS port is chosen here ($RAY_GCS_SERVER_PORT, ray_constants, read by _private/node.py)
-# and $RAY_ADDRESS set to it before the cluster starts: all its processes inherit it. Missing
-# (or the GCS came up elsewhere): a plain start; a stale file may stall a run's end by ~40 s.
+# looking for "the" cluster (State API: services.py get_ray_address_from_environment) takes
+# $RAY_ADDRESS, else /tmp/ray/ray_current_cluster: the last `ray start` here, dead or alive
+# (Ray #45771, #27021). Ray 2.60's Train state actor calls ray.util.state.get_actor every 30 s
+# holding the lock the controller's last update needs: following a dead cluster it retried ~40 s
+# and runs ended 40 s late (issue #27, py-spy). So the GCS port is chosen here
+# ($RAY_GCS_SERVER_PORT, read by _private/node.py) and $RAY_ADDRESS set before the cluster
+# starts: its processes inherit it. Missing: a stale file may stall a run's end by ~40 s.
 GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
 _LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (runs end late)"
 _saved_env: list[dict[str, str | None]] = []
@@ -215,31 +214,32 @@ def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwar
             sock.bind(("", 0))
             port = os.environ.get(name) or str(sock.getsockname()[1])
         env.update({name: port, "RAY_ADDRESS": f"{get_node_ip_address()}:{port}"})
-    _saved_env.append({k: os.environ.get(k) for k in env})
+    before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         ctx = ray.init(address="local", **kwargs)
     except BaseException:
-        _restore_env()
+        _set_env(before)
         raise
-    if name is not None and ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
-        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
-        os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]  # the driver's, at least
+    _set_env({k: v for k, v in before.items() if k != "RAY_ADDRESS"})  # not for a child's own
+    if name is not None:  # the driver's own until shutdown(), then restored
+        _saved_env.append({"RAY_ADDRESS": before["RAY_ADDRESS"]})
+        if ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
+            warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+            os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
     return ctx
 
 
 def shutdown() -> None:
     """``ray.shutdown()``, then the environment as it was before ``init_local``."""
-    import ray
-
-    ray.shutdown()
-    _restore_env()
-
-
-def _restore_env() -> None:
+    importlib.import_module("ray").shutdown()
     while _saved_env:
-        for key, value in _saved_env.pop().items():
-            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+        _set_env(_saved_env.pop())
+
+
+def _set_env(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
 # FALLBACK (2026-12-04). Workers ready before a run needs them, on a cluster raytrain starts.

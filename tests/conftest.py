@@ -36,6 +36,12 @@ def ray_cluster(s3_server):
 
     train_env()
     ctx = ray_compat.init_local(num_cpus=2, logging_level="WARNING")
+    # init_local leaves the driver $RAY_ADDRESS (its own processes already have it): the tests'
+    # child processes (`python -m raytrain.fit` without --address) must start a cluster of
+    # their own, as from a user's shell, not join this one.
+    import os
+
+    os.environ.pop("RAY_ADDRESS", None)
     yield ctx
     ray_compat.shutdown()
 
