@@ -62,7 +62,7 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
 
     cluster.import_in_background()  # beside Ray's start
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
-                                      cfg.cluster.keep_cluster, cluster.warm_workers(cfg))
+                                      cfg.cluster.keep_cluster)
     try:
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:

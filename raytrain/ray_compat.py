@@ -198,14 +198,15 @@ _LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (
 _saved_env: list[dict[str, str | None]] = []
 
 
-def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwargs):
-    """``ray.init(address="local")`` whose processes find it (+ ``warm_env``); ``shutdown()``."""
+def init_local(**kwargs):
+    """``ray.init(address="local", **kwargs)`` whose processes find it; pair with
+    ``shutdown()``."""
     import socket
 
     import ray
     from ray.util import get_node_ip_address
 
-    env = warm_env(warm_workers, warm_modules)
+    env: dict[str, str] = {}
     name = _internal("ray._private.ray_constants", "GCS_PORT_ENVIRONMENT_VARIABLE")
     if name is None:
         warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
@@ -221,7 +222,7 @@ def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwar
     except BaseException:
         _set_env(before)
         raise
-    _set_env({k: v for k, v in before.items() if k != "RAY_ADDRESS"})  # not for a child's own
+    _set_env({k: v for k, v in before.items() if k != "RAY_ADDRESS"})  # read at start
     if name is not None:  # the driver's own until shutdown(), then restored
         _saved_env.append({"RAY_ADDRESS": before["RAY_ADDRESS"]})
         if ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
@@ -240,24 +241,6 @@ def shutdown() -> None:
 def _set_env(values: dict[str, str | None]) -> None:
     for key, value in values.items():
         os.environ.pop(key, None) if value is None else os.environ.update({key: value})
-
-
-# FALLBACK (2026-12-04). Workers ready before a run needs them, on a cluster raytrain starts.
-# Ray 2.60's raylet reads RayConfig from $RAY_<name> (src/ray/common/ray_config_def.h):
-# enable_worker_prestart + num_prestart_python_workers start workers at once, each importing
-# preload_python_modules (default_worker.py) first; num_workers_soft_limit keeps them from being
-# reaped. Train's controller and workers then start on processes with torch and ray.train in
-# (2 actors: 1.5 s cold -> 0.6 s). No public prestart API in 2.60. Missing: workers start cold.
-WARM_MODULES = ("ray.train.torch", "raytrain.worker.ray_entry")
-
-
-def warm_env(count: int, modules: tuple[str, ...] = ()) -> dict[str, str]:
-    """Environment for a new cluster: ``count`` workers, ``modules`` imported in each."""
-    if count <= 0:
-        return {}
-    return {"RAY_enable_worker_prestart": "1", "RAY_num_prestart_python_workers": str(count),
-            "RAY_num_workers_soft_limit": str(max(count, int(local_cpus()))),
-            "RAY_preload_python_modules": ",".join(modules or WARM_MODULES)}
 
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
