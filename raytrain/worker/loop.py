@@ -389,6 +389,7 @@ def _unwrapped(model: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
+@torch.no_grad()  # digits: 0.06 s of a 0.73 s epoch with autograd recording (issue #27)
 def evaluate(model: nn.Module, source, aug: Augment, amp_dtype, worker: Worker, batch: int,
              also: list[nn.Module] | tuple = ()) -> dict[str, Any]:
     """Loss and accuracy over the whole test split, each sample on exactly one worker.
