@@ -20,12 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.time()  # "Ray up" and the time to first step count from here
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
+    imports = None  # the thread importing torch & co. while the driver checks and starts Ray
     try:
         cfg = resolve(args)
         from raytrain.driver import cluster, console, preflight
 
         cluster.token_auth_env()  # before anything imports ray (ray_compat.check does)
-
+        imports = cluster.import_in_background()  # beside the checks and Ray's start
         preflight.check_inputs(cfg, dry_run=getattr(args, "dry_run", False))
         if getattr(args, "dry_run", False):
             print(console.dry_run_text(cfg))
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytrain: interrupted; workers stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:  # a thread still importing as the interpreter exits could crash it
+        if imports is not None:
+            imports.join()
     print_summary(summary)
     return EXIT_OK
 
@@ -60,7 +64,6 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
     """Connect (or start) the cluster, run ``run_fn``, stop a cluster raytrain started."""
     from raytrain.driver import cluster
 
-    cluster.import_in_background()  # beside Ray's start
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
                                       cfg.cluster.keep_cluster)
     try:

@@ -42,9 +42,9 @@ def token_auth_env() -> None:
 
 
 # Third-party modules Ray Train's TorchTrainer imports, none of which imports ray: the driver
-# loads them in a thread while ray.init starts the cluster (2.5 s of a 2-core machine's time
-# to first step). Not ray's own modules: two threads importing those could deadlock on
-# Python's import locks with ray.init's own lazy imports.
+# loads them in a thread while its main thread checks the inputs (ray_compat.check imports
+# Ray Train) and ray.init starts the cluster (4.7 s of imports on a loaded 2-core machine).
+# Not Ray's own modules: two threads importing those could deadlock on Python's import locks.
 DRIVER_MODULES = ("torch", "pandas", "pyarrow")
 
 
