@@ -47,8 +47,9 @@ class PlacementGroupReaper(Poller):
             return
         self._stop.set()
         self._thread.join()
-        # Trials stopped last (ASHA at the final epoch) may still be dying: wait for them.
-        deadline = time.monotonic() + 30
+        # Trials stopped last (ASHA at the final epoch) may still be dying: a moment for them
+        # to go (waiting 30 s here was up to 30 s of a short search's wall).
+        deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
             try:
                 self.sweep()
@@ -57,8 +58,8 @@ class PlacementGroupReaper(Poller):
             except Exception:  # noqa: BLE001 - e.g. Ray shut down under us (Ctrl-C)
                 return
             time.sleep(0.5)
-        # The search is over, yet a controller still lives (seen once in CI after a PBT search:
-        # its trial's one CPU held for good): its group serves nothing of this search now.
+        # The search is over, yet a controller still lives (ending, or, seen once in CI after
+        # a PBT search, for good: its trial's CPU held): its group serves nothing of it now.
         try:
             self.sweep(alive_too=True)
         except Exception:  # noqa: BLE001 - as above

@@ -75,8 +75,10 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: 
     callbacks = [driver_run.RunFiles(trial_dir, location), forward or TuneReportCallback()]
     if reap:  # the driver's PlacementGroupReaper reads what this records
         callbacks.append(RecordPlacementGroup(os.path.join(trial_dir, PG_FILE)))
-    trainer = driver_run.build_trainer(cfg, shape, driver_outlives_run=True,
-                                       callbacks=callbacks)
+    # Ray's placement-group cleaner (a detached actor: one more process per trial) only where
+    # the driver's reaper cannot see this trial's record: a search on a bucket, on many nodes.
+    trainer = driver_run.build_trainer(cfg, shape, callbacks=callbacks,
+                                       driver_outlives_run=not reap or storage.is_uri(location))
     if start:
         trainer.train_loop_per_worker = StartFrom(prepare_start(start, cfg, trial_dir))
     try:
