@@ -71,8 +71,10 @@ class ClusterConfig:
                               "start --head` so it and its dashboard outlive the run")
     shared_storage: bool = _opt(False, "declare --storage-path shared by all nodes (an NFS "
                                 "mount), allowing a local path for a multi-node run")
-    wait_timeout: float = _opt(60.0, "seconds to wait for an autoscaling cluster (or MIN "
-                               "elastic workers) to be placed before failing")
+    wait_timeout: float = _opt(60.0, "seconds to wait for room for the workers before "
+                               "failing: at the start for an autoscaling cluster (or MIN "
+                               "elastic workers), and after a node is lost for it to come "
+                               "back or another to join (the checkpoints are kept)")
 
     def __post_init__(self) -> None:
         self.num_workers = parse_num_workers(self.num_workers)

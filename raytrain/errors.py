@@ -35,6 +35,12 @@ class Interrupted(TrainingError):
     """Ctrl-C stopped the run (exit code 130); the checkpoints so far are kept."""
 
 
+class NoRoom(TrainingError):
+    """Raised in the Train controller (driver/nodes.py): after a node was lost the cluster
+    had no room for the workers within --wait-timeout. Pickled back to the driver as the
+    controller's failure, which words the one line the user sees."""
+
+
 def exit_code(err: RaytrainError) -> int:
     if isinstance(err, Interrupted):
         return EXIT_INTERRUPTED

@@ -232,29 +232,38 @@ def cluster_config():
 #   after the controller (a plain run; Ray frees a finished job's groups), kept in Tune trials;
 # - FixedScalingPolicy's resource requests to Ray Data's autoscaling coordinator (whose actor
 #   it starts): dropped where preflight found no autoscaling node types.
+# On such a cluster the scaling policies (fixed and elastic) also ask driver/nodes.NodeWatch
+# where the workers fit: live nodes only, a bounded wait for a lost node (--wait-timeout), an
+# elastic run grown at a checkpointed epoch when a node joins; driver/nodes.py says why Ray's
+# own take minutes there. They return the internal NoopDecision/ResizeDecision.
 # Uses the private TorchTrainer._create_default_callbacks / _initialize_and_run_controller and
 # the internal classes above. Missing: Ray's own TorchTrainer runs unchanged (nothing
-# dropped: a few seconds more to the first step).
+# dropped: a few seconds more to the first step; a lost node is waited for as Ray does: the
+# 60 s worker-group start timeout, 4 times, before the run fails).
 TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
-                     "ray.train.v2._internal callbacks and FixedScalingPolicy")
+                     "ray.train.v2._internal callbacks, Fixed/ElasticScalingPolicy and "
+                     "Noop/ResizeDecision")
 _CALLBACKS = "ray.train.v2._internal.callbacks"
 
 
 def _trainer_internals():
     from ray.train.torch import TorchTrainer
 
+    policies = "ray.train.v2._internal.execution.scaling_policy"
     found = (_internal(f"{_CALLBACKS}.datasets", "DatasetsCallback"),
              _internal(f"{_CALLBACKS}.placement_group_callback", "PlacementGroupCleanerCallback"),
-             _internal("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy"))
+             _internal(policies, "FixedScalingPolicy"), _internal(policies, "ElasticScalingPolicy"),
+             _internal(policies, "NoopDecision"), _internal(policies, "ResizeDecision"))
     if None in found or not all(hasattr(TorchTrainer, m) for m in (
             "_create_default_callbacks", "_initialize_and_run_controller")):
         return None
     return found
 
 
-def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
+def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=None, **kwargs):
     """``TorchTrainer(*args, **kwargs)``, less the actors above. ``fixed_cluster``: the cluster
-    cannot grow; ``driver_outlives_run``: keep the placement-group cleaner (Tune trials)."""
+    cannot grow; ``driver_outlives_run``: keep the placement-group cleaner (Tune trials);
+    ``watch``: a driver.nodes.NodeWatch the scaling policy of a fixed cluster asks."""
     classes = _trainer_classes()
     if classes is None:
         from ray.train.torch import TorchTrainer
@@ -262,24 +271,29 @@ def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs
         warn_once(TRAINER_INTERNALS, FALLBACKS[TRAINER_INTERNALS][1])
         return TorchTrainer(*args, **kwargs)
     return classes["Trainer"](*args, fixed_cluster=fixed_cluster,
-                              driver_outlives_run=driver_outlives_run, **kwargs)
+                              driver_outlives_run=driver_outlives_run, watch=watch, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
 def _trainer_classes() -> dict[str, type] | None:
-    """``Trainer`` and ``FixedClusterPolicy``, defined once this Ray is known to have what they
-    override; importable as ``raytrain.ray_compat.<name>`` (the controller unpickles them)."""
+    """``Trainer``, ``FixedClusterPolicy`` and ``ElasticClusterPolicy``, defined once this Ray
+    is known to have what they override; importable as ``raytrain.ray_compat.<name>`` (the
+    controller unpickles them)."""
     found = _trainer_internals()
     if found is None:
         return None
     from ray.train.torch import TorchTrainer
 
-    datasets_cb, cleaner_cb, fixed_policy = found
+    datasets_cb, cleaner_cb, fixed_policy, elastic_policy, noop, resize = found
 
-    class FixedClusterPolicy(fixed_policy):
-        """Ray's fixed scaling policy, minus its resource requests to the autoscaling
-        coordinator (whose actor it would start): a cluster that cannot grow has nobody to
-        answer them."""
+    class NoCoordinator:
+        """Ray's policies minus their resource requests to the autoscaling coordinator (whose
+        actor they would start): a cluster that cannot grow has nobody to answer them. With
+        a ``watch`` (driver/nodes.NodeWatch) it decides where the workers fit."""
+
+        def __init__(self, scaling_config, watch=None):
+            super().__init__(scaling_config)
+            self.watch = watch
 
         def after_controller_start(self, train_run_context) -> None:
             pass
@@ -293,13 +307,39 @@ def _trainer_classes() -> dict[str, type] | None:
         def _cancel_resource_request(self) -> None:
             pass
 
+        def _resize(self, n: int | None):
+            if n is None:
+                return noop()
+            return resize(num_workers=n,
+                          resources_per_worker=self.scaling_config._resources_per_worker_not_none)
+
+        def make_decision_for_non_running_worker_group(self):
+            if self.watch is None:
+                return super().make_decision_for_non_running_worker_group()
+            return self._resize(self.watch.start())
+
+    class FixedClusterPolicy(NoCoordinator, fixed_policy):
+        """Ray's fixed scaling policy on a cluster that cannot grow."""
+
+    class ElasticClusterPolicy(NoCoordinator, elastic_policy):
+        """An elastic MIN:MAX run on a cluster that cannot grow: sized by the live nodes (not
+        the coordinator's 20 s old view), grown when nodes join (``NodeWatch.grow``)."""
+
+        def make_decision_for_running_worker_group(self, worker_group_state,
+                                                   worker_group_status):
+            if self.watch is None:
+                return noop()
+            return self._resize(self.watch.grow(worker_group_state.num_workers))
+
     class Trainer(TorchTrainer):
         """``TorchTrainer`` without the actors above."""
 
-        def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
+        def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, watch=None,
+                     **kwargs):
             super().__init__(*args, **kwargs)
             self.fixed_cluster = fixed_cluster
             self.driver_outlives_run = driver_outlives_run
+            self.watch = watch
 
         def _create_default_callbacks(self):
             drop: tuple[type, ...] = () if self.datasets else (datasets_cb,)
@@ -309,20 +349,22 @@ def _trainer_classes() -> dict[str, type] | None:
                     if not isinstance(cb, drop)]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            if self.fixed_cluster and type(controller_init_kwargs.get("scaling_policy")) is \
-                    fixed_policy:
-                controller_init_kwargs["scaling_policy"] = FixedClusterPolicy(
-                    self.scaling_config)
+            ours = {fixed_policy: FixedClusterPolicy, elastic_policy: ElasticClusterPolicy}.get(
+                type(controller_init_kwargs.get("scaling_policy")))
+            if self.fixed_cluster and ours is not None:
+                controller_init_kwargs["scaling_policy"] = ours(self.scaling_config, self.watch)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
-    classes = {"Trainer": Trainer, "FixedClusterPolicy": FixedClusterPolicy}
+    classes = {"Trainer": Trainer, "FixedClusterPolicy": FixedClusterPolicy,
+               "ElasticClusterPolicy": ElasticClusterPolicy, "NoCoordinator": NoCoordinator}
     for name, cls in classes.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
 
 
-def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .FixedClusterPolicy
-    classes = _trainer_classes() if name in ("Trainer", "FixedClusterPolicy") else None
+def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .FixedClusterPolicy / ...
+    classes = _trainer_classes() if name in (
+        "Trainer", "FixedClusterPolicy", "ElasticClusterPolicy", "NoCoordinator") else None
     if classes is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return classes[name]

