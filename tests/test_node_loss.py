@@ -20,6 +20,7 @@ import pytest
 
 from raytrain import files, storage
 from raytrain.driver.run import latest_checkpoint_epoch
+from raytrain.tune.results import read_results
 from tests.helpers import LocalCluster, metrics, wait_for_epoch, wait_until
 
 
@@ -149,3 +150,29 @@ def test_fixed_run_stops_in_one_line_when_no_node_comes_back(cluster):
         "command once the cluster has room (or pass --num-workers MIN:MAX to go on with fewer "
         "workers)"), out
     assert latest_checkpoint_epoch(str(run)) == kept >= 1  # complete and registered
+
+
+def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster):
+    node = _second_node(cluster)
+    search = cluster.base / "runs" / "search"
+    proc, lines = _start(cluster, "--tune", "--lr-range", "0.02,0.03,0.05", "--num-samples", "1",
+                         "--batch-sizes", "128", "--scheduler", "none", "--num-workers", "1",
+                         "--epochs", "3", "--storage-path", str(search.parent), "--name", "search")
+    trials = search / "trials"
+    wait_until(lambda: trials.is_dir() and any(metrics(t) for t in trials.iterdir()), 300,
+               "a trial's first epoch", proc)
+    cluster.kill_node(node)
+    out = _finish(proc, lines)
+    assert proc.returncode == 0, out  # the search completed
+    rows = read_results(search)
+    print(out, rows, [files.read_jsonl(trials / r["trial_id"] / files.EVENTS_FILE) for r in rows])
+    assert len(rows) == 3 and {r["status"] for r in rows} <= {"completed", "failed"}, rows
+    for r in rows:  # a failed trial names the lost node as its reason
+        assert r["status"] == "completed" or "its node was lost" in r["error"] or \
+            "node lost" in r["error"], r
+    hit = [r for r in rows if r["status"] == "failed" or
+           _events(trials / r["trial_id"], "node_lost")]  # failed, or restarted without it
+    assert hit, (rows, out)
+    for r in rows:
+        if r["status"] == "completed":
+            assert [m["epoch"] for m in metrics(trials / r["trial_id"])] == [1, 2, 3]

@@ -162,6 +162,29 @@ class NodeWatch:
             pass
 
 
+def lost_actor_node(err: BaseException | None) -> str | None:
+    """"its node was lost (IP, node ID)" when ``err`` is a Ray actor's death or unavailability
+    and that actor's node is gone (a Tune trial on a lost node), else None."""
+    actor_id = getattr(err, "actor_id", None)
+    if not actor_id:
+        return None
+    try:
+        import ray
+        from ray.util.state import get_actor
+
+        # The connected cluster's address, never the state API's guess: it takes the one in
+        # /tmp/ray/ray_current_cluster, another cluster's where several share a machine.
+        actor = get_actor(actor_id, address=ray.get_runtime_context().gcs_address, timeout=10)
+        if actor is None or actor.node_id in live_nodes():
+            return None
+
+        ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == actor.node_id),
+                  None)
+    except Exception:  # noqa: BLE001 - the state API unreachable: Ray's own reason stands
+        return None
+    return f"its node was lost ({ip + ', ' if ip else ''}node {actor.node_id[:12]})"
+
+
 def event_line(event: dict[str, Any]) -> str | None:
     """The console line of a NodeWatch event (driver/console.py prints them), or None."""
     e, kind = event, event["event"]
