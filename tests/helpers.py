@@ -288,10 +288,24 @@ class LocalCluster:
         return next(n["NodeID"] for n in self.probe()["nodes"]
                     if n["Alive"] and n["NodeManagerPort"] == port)
 
+    def running(self, session: int) -> bool:
+        """Whether any process of ``session`` (a node ``add_node`` started) still runs."""
+        return bool(self._session_processes(session))
+
+    def _session_processes(self, session: int) -> list[psutil.Process]:
+        found = []
+        for p in self._ours({session}):
+            try:
+                if os.getsid(p.pid) == session:
+                    found.append(p)
+            except OSError:  # gone meanwhile
+                continue
+        return found
+
     def kill_node(self, session: int) -> list[psutil.Process]:
         """SIGKILL every process of the node started in ``session`` at once (its raylet, agents
         and the workers it started), as a reclaimed instance loses them; returns them, gone."""
-        victims = [p for p in self._ours({session}) if os.getsid(p.pid) == session]
+        victims = self._session_processes(session)
         for p in victims:
             try:
                 p.kill()

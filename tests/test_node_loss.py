@@ -37,10 +37,9 @@ def cluster(s3_server):
 
 
 def _second_node(cluster: LocalCluster) -> int:
-    """The session of a live second node: one started now unless one still runs."""
-    alive = [s for s in cluster.node_ports if any(
-        n["Alive"] and n["NodeManagerPort"] == cluster.node_ports[s]
-        for n in cluster.probe()["nodes"])]
+    """The session of a live second node: one started now unless one still runs (its
+    processes are there: the tests kill a node's whole session)."""
+    alive = [s for s in cluster.node_ports if cluster.running(s)]
     return alive[0] if alive else cluster.add_node()
 
 

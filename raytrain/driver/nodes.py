@@ -100,9 +100,17 @@ class NodeWatch:
         room = self.look()
         if room <= current:
             return None
-        self._event("grow", workers=room, max_workers=self.max_workers, after_epoch=epoch)
-        self.workers = room
-        return room
+        # Room by the nodes' totals may be held by other jobs; grow by what is free (the
+        # cluster's sum: a worker's CPUs could be split over nodes, an overestimate at worst
+        # by a worker, whose start then times out and the run restarts at the size that fits)
+        import ray
+
+        grown = min(room, current + fits(ray.available_resources(), self.need))
+        if grown <= current:
+            return None
+        self._event("grow", workers=grown, max_workers=self.max_workers, after_epoch=epoch)
+        self.workers = grown
+        return grown
 
     # ------------------------------------------------------------------ the cluster
 
