@@ -156,10 +156,15 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
     search = cluster.base / "runs" / "search"
     proc, lines = _start(cluster, "--tune", "--lr-range", "0.02,0.03,0.05", "--num-samples", "1",
                          "--batch-sizes", "128", "--scheduler", "none", "--num-workers", "1",
-                         "--epochs", "3", "--storage-path", str(search.parent), "--name", "search")
+                         "--epochs", "5", "--storage-path", str(search.parent), "--name", "search")
     trials = search / "trials"
-    wait_until(lambda: trials.is_dir() and any(metrics(t) for t in trials.iterdir()), 300,
-               "a trial's first epoch", proc)
+
+    def training() -> list:  # trials between their first and last epoch
+        return [t for t in trials.iterdir() if 1 <= max(
+            [r["epoch"] for r in metrics(t)], default=0) < 5] if trials.is_dir() else []
+
+    # Two trials at once hold a CPU each: one of them trains on the second node.
+    wait_until(lambda: len(training()) == 2, 300, "two trials training", proc)
     cluster.kill_node(node)
     out = _finish(proc, lines)
     assert proc.returncode == 0, out  # the search completed
@@ -172,4 +177,4 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
     assert hit, (rows, out)
     for r in rows:
         if r["status"] == "completed":
-            assert [m["epoch"] for m in metrics(trials / r["trial_id"])] == [1, 2, 3]
+            assert [m["epoch"] for m in metrics(trials / r["trial_id"])] == [1, 2, 3, 4, 5]
