@@ -95,7 +95,7 @@ class SeedPipeline:
 
 
 class RaytrainPipeline:
-    """What raytrain.loop.train_epoch does for its batches, on the CPU, one worker."""
+    """What raytrain.worker.loop.train_epoch does for its batches, on the CPU, one worker."""
 
     name = "raytrain Augment (uint8 tensor)"
 

@@ -26,7 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raytrain.data import streaming  # noqa: E402
+from raytrain.data.decode import decode_crop  # noqa: E402
+from raytrain.data.listing import list_image_folder  # noqa: E402
+from raytrain.data.pipeline import build_datasets  # noqa: E402
+from raytrain.data.sources import IMAGENET_MEAN, IMAGENET_STD, iter_batches  # noqa: E402
 
 
 def generate(root: str, n: int, seed: int = 0) -> None:
@@ -64,10 +67,10 @@ def single_core(files: list[str], size: int, draft: bool) -> float:
     rng = np.random.default_rng(0)
     datas = [open(f, "rb").read() for f in files]
     for d in datas[:20]:  # warm-up: the first calls of a process ran at half speed
-        streaming.decode_crop(d, size, True, rng, draft=draft)
+        decode_crop(d, size, True, rng, draft=draft)
     t = time.perf_counter()
     for d in datas:
-        streaming.decode_crop(d, size, True, rng, draft=draft)
+        decode_crop(d, size, True, rng, draft=draft)
     return len(datas) / (time.perf_counter() - t)
 
 
@@ -114,7 +117,7 @@ def torchrun_worker(root: str, size: int, batch: int, epochs: int, model_name: s
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                    T.Normalize(streaming.IMAGENET_MEAN, streaming.IMAGENET_STD)])
+                    T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     ds = ImageFolder(os.path.join(root, "train"), transform=tf)
     sampler = DistributedSampler(ds, seed=0, drop_last=True)
     dl = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=loaders,
@@ -169,14 +172,14 @@ def with_step(root: str, size: int, batch: int, epochs: int, model: str, loaders
 
 def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool):
     t0 = time.perf_counter()
-    datasets, _, _ = streaming.build_datasets("imagefolder", root, size, seed=0,
+    datasets, _, _ = build_datasets("imagefolder", root, size, seed=0,
                                               decode_on_worker=on_worker)
     it = datasets["train"].iterator()
     spec = {"size": size, "train": True, "seed": 0} if on_worker else None
     first, rate, warm = None, 0.0, None
     for _ in range(epochs):
         t, n, warm = time.perf_counter(), 0, None
-        for x, _, _ in streaming.iter_batches(it, batch, "cpu", train=True, decode=spec):
+        for x, _, _ in iter_batches(it, batch, "cpu", train=True, decode=spec):
             first = first or time.perf_counter() - t0
             warm = warm or time.perf_counter() - t
             n += len(x)
@@ -211,7 +214,7 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         generate(root, a.images)
         print(f"generated {a.images} JPEGs in {root} ({time.perf_counter() - t:.0f} s)")
-    listing = streaming.list_image_folder(root)
+    listing = list_image_folder(root)
     n_train = listing.counts["train"]
     mb = sum(np.asarray(listing.tables["train"].column("size"))) / 2**20
     files = listing.tables["train"].column("path").to_pylist()[:min(200, n_train)]

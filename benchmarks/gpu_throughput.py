@@ -6,11 +6,11 @@
 
 No Ray: raytrain's own per-worker code runs in this process (world size 1, so no DDP).
 Measured, images/s (CUDA timings bracketed by torch.cuda.synchronize):
-  1. raytrain loop: ``raytrain.loop.run_worker`` on ``--dataset synthetic`` (CIFAR-shaped uint8,
+  1. raytrain loop: ``raytrain.worker.loop.run_worker`` on ``--dataset synthetic`` (CIFAR-shaped uint8,
      --images per epoch, augmentation on), ``--model resnet18``, per-device batch --batch-size,
      precision bf16 on CUDA (fp32 on CPU), channels_last (what run_worker does); the
      figure is the reported per-epoch ``images_per_s`` (training only) over epochs 2..N.
-  2. step + data: a bare timed loop over ``raytrain.loop.train_step`` fed exactly like
+  2. step + data: a bare timed loop over ``raytrain.worker.loop.train_step`` fed exactly like
      train_epoch feeds it (uint8 images on the device, epoch_shard/batches indices,
      ``raytrain.data.Augment`` crop+flip+normalise, channels_last), without train_epoch's
      per-step bookkeeping (metric sums, NaN tracking).

@@ -79,7 +79,12 @@ def parse_args(argv=None):
     p.add_argument("--pairs", type=int, default=5, help="cold (torchrun, raytrain) pairs")
     p.add_argument("--warm-runs", type=int, default=None,
                    help="raytrain runs against the warm cluster (default: --pairs)")
-    p.add_argument("--mode", choices=("cold", "warm", "both"), default="both")
+    p.add_argument("--mode", choices=("cold", "warm", "both", "short", "tune", "all"),
+                   default="all", help="both: cold + warm; all: both + short + tune")
+    p.add_argument("--short-pairs", type=int, default=3,
+                   help="short-job pairs: the README's main job vs the same under torchrun")
+    p.add_argument("--tune-samples", type=int, default=4)
+    p.add_argument("--tune-epochs", type=int, default=6)
     p.add_argument("--address", default=None,
                    help="warm mode: an existing cluster (HOST:PORT); default: start a head here")
     p.add_argument("--epochs", type=int, default=3)
@@ -93,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="1 pair and 1 warm run")
     args = p.parse_args(argv)
     if args.quick:
-        args.pairs = 1
+        args.pairs, args.short_pairs, args.tune_samples, args.tune_epochs = 1, 1, 2, 2
     if args.warm_runs is None:
         args.warm_runs = 1 if args.quick else args.pairs
     return args
@@ -310,6 +315,142 @@ class Head:
         return found
 
 
+# ---------------------------------------------------------------------------- short jobs
+
+
+def loop_cmd(workers: int, *flags: str) -> list[str]:
+    """The hand-written equivalent: torchrun over raytrain's own per-worker loop (the same
+    model, data, schedule and step; no Ray, no checkpoints), one JSON line per epoch."""
+    exe = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launcher = [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
+    return launcher + ["--standalone", f"--nproc_per_node={workers}", "-m", "raytrain.loop",
+                       *flags]
+
+
+def epoch_fixed_cost(rows: list[dict]) -> float | None:
+    """Median seconds an epoch costs besides training (evaluation, checkpoint, report): the
+    gap between consecutive epochs' starts less the earlier one's epoch_s."""
+    gaps = [b["started_at"] - a["started_at"] - a["epoch_s"] for a, b in zip(rows, rows[1:])
+            if "started_at" in a and "started_at" in b]
+    return statistics.median(gaps) if gaps else None
+
+
+def run_short_pair(args, out_dir: str, i: int) -> tuple[dict, dict]:
+    """The README's main job (`python -m raytrain.fit --num-workers 2 --dataset digits`, its
+    defaults) and the same training under torchrun, alternating which goes first."""
+    storage = os.path.join(out_dir, "runs")
+    name = f"short-{i}-{uuid.uuid4().hex[:8]}"
+    out = {}
+    for side in (("torchrun", "raytrain") if i % 2 == 0 else ("raytrain", "torchrun")):
+        log = os.path.join(out_dir, f"short-{side}-{i}.log")
+        cmd = loop_cmd(WORKERS, "--dataset", "digits") if side == "torchrun" else [
+            sys.executable, "-m", "raytrain.fit", "--num-workers", str(WORKERS), "--dataset",
+            "digits", "--storage-path", storage, "--name", name]
+        rc, t_start, wall, output = _spawn(cmd, log, args.timeout)
+        res = {"side": side, "tag": f"short-{side}-{i}", "rc": rc, "wall_s": wall, "log": log}
+        if side == "torchrun":
+            rows = [json.loads(ln) for ln in output.splitlines() if ln.startswith('{"epoch"')]
+        else:
+            rows = [json.loads(ln) for ln in open(os.path.join(storage, name, "metrics.jsonl"))
+                    ] if rc == 0 else []
+        if rc != 0 or not rows:
+            res["error"] = f"exit {rc}; see {log}"
+        else:
+            res.update(test_acc=rows[-1]["test_acc"], epochs=len(rows),
+                       epoch_s=sum(r["epoch_s"] for r in rows),
+                       first_step_s=rows[0]["first_step_at"] - t_start,
+                       fixed_per_epoch_s=epoch_fixed_cost(rows),
+                       epoch_s_median=statistics.median(r["epoch_s"] for r in rows))
+        out[side] = res
+        print(f"{res['tag']:<20} " + ("FAILED: " + res["error"] if "error" in res else
+              f"wall {wall:5.1f}s  first step {res['first_step_s']:.1f}s  {res['epochs']} "
+              f"epochs {res['epoch_s']:.1f}s  fixed/epoch {fmt(res['fixed_per_epoch_s'], '.3f')}"
+              f"s  test_acc {res['test_acc']:.4f}"), flush=True)
+    shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
+    return out["torchrun"], out["raytrain"]
+
+
+def run_tune(args, out_dir: str) -> dict:
+    """A search (`--tune --num-samples S --num-workers 1 --dataset digits --epochs E`, ASHA),
+    then its trials' configs trained one after another under torchrun (1 process each): the
+    search's wall against the sum of its trials' epoch_s and against torchrun's."""
+    storage = os.path.join(out_dir, "runs")
+    name = f"tune-{uuid.uuid4().hex[:8]}"
+    log = os.path.join(out_dir, "tune.log")
+    rc, _, wall, _ = _spawn([sys.executable, "-m", "raytrain.fit", "--tune", "--num-samples",
+                             str(args.tune_samples), "--num-workers", "1", "--dataset",
+                             "digits", "--epochs", str(args.tune_epochs), "--storage-path",
+                             storage, "--name", name], log, args.timeout)
+    res = {"side": "raytrain", "tag": "tune", "rc": rc, "wall_s": wall, "log": log}
+    trials = os.path.join(storage, name, "trials")
+    if rc != 0 or not os.path.isdir(trials):
+        res["error"] = f"exit {rc}; see {log}"
+        return res
+    epoch_s, worker_epochs, seq_wall = 0.0, 0, 0.0
+    for trial in sorted(os.listdir(trials)):
+        rows = [json.loads(ln) for ln in open(os.path.join(trials, trial, "metrics.jsonl"))]
+        epoch_s += sum(r["epoch_s"] for r in rows)
+        worker_epochs += len(rows)
+        with open(os.path.join(trials, trial, "config.yaml")) as f:
+            conf = dict(ln.split(": ", 1) for ln in f.read().splitlines() if ": " in ln)
+        t_log = os.path.join(out_dir, f"tune-torchrun-{trial}.log")
+        t_rc, _, t_wall, _ = _spawn(loop_cmd(1, "--dataset", "digits", "--epochs",
+                                             str(len(rows)), "--lr", conf["lr"],
+                                             "--batch-size", conf["batch_size"]), t_log,
+                                    args.timeout)
+        if t_rc != 0:
+            res["error"] = f"torchrun for {trial}: exit {t_rc}; see {t_log}"
+            return res
+        seq_wall += t_wall
+    res.update(trials=len(os.listdir(trials)), worker_epochs=worker_epochs,
+               trial_epoch_s=epoch_s, torchrun_sequential_s=seq_wall)
+    print(f"tune: {res['trials']} trials, {worker_epochs} worker-epochs, epoch_s {epoch_s:.1f}"
+          f"s, search wall {wall:.1f}s ({wall / max(epoch_s, 1e-9):.1f}x); the same trainings "
+          f"under torchrun one after another {seq_wall:.1f}s", flush=True)
+    shutil.rmtree(os.path.join(storage, name), ignore_errors=True)
+    return res
+
+
+def short_rows(pairs: list[tuple[dict, dict]], tune: dict | None) -> tuple[list[str], dict]:
+    rows, out = [], {}
+    ok = [(t, r) for t, r in pairs if "error" not in t and "error" not in r]
+    if ok:
+        m = {side: {k: statistics.median(p[i][k] for p in ok if p[i][k] is not None)
+                    for k in ("wall_s", "first_step_s", "epoch_s", "epoch_s_median")}
+             for i, side in enumerate(("torchrun", "raytrain"))}
+        fixed = [r["fixed_per_epoch_s"] for _, r in ok if r["fixed_per_epoch_s"] is not None]
+        t, r = m["torchrun"], m["raytrain"]
+        rows += ["", f"short job: the README's main job, {len(ok)} pair(s) (medians)",
+                 f"{'':<34}{'torchrun':>12}{'raytrain':>12}{'ratio r/t':>11}{'target':>14}",
+                 f"{'wall, process start-exit s':<34}{t['wall_s']:>12.1f}{r['wall_s']:>12.1f}"
+                 f"{r['wall_s'] / t['wall_s']:>10.2f}x{'<= 30 s':>14}",
+                 f"{'time to first step s':<34}{t['first_step_s']:>12.1f}"
+                 f"{r['first_step_s']:>12.1f}{r['first_step_s'] / t['first_step_s']:>10.2f}x"
+                 f"{'<= 10 s':>14}",
+                 f"{'sum of epoch_s s':<34}{t['epoch_s']:>12.1f}{r['epoch_s']:>12.1f}"
+                 f"{r['epoch_s'] / t['epoch_s']:>10.2f}x",
+                 f"{'test_acc (each pair)':<34}" + "  ".join(
+                     f"{a['test_acc']:.4f}/{b['test_acc']:.4f}" for a, b in ok)]
+        if fixed:
+            f = statistics.median(fixed)
+            rows.append(f"{'raytrain per-epoch fixed cost s':<34}{'':>12}{f:>12.3f}"
+                        f"{f / r['epoch_s_median']:>10.1%} of an epoch (< 10%)")
+        out["short_job"] = {"torchrun": t, "raytrain": r, "fixed_per_epoch_s":
+                            statistics.median(fixed) if fixed else None, "pairs": len(ok)}
+    if tune and "error" not in tune:
+        ratio_epochs = tune["wall_s"] / max(tune["trial_epoch_s"], 1e-9)
+        rows += ["", f"tune: {tune['trials']} trials x {tune['worker_epochs']} worker-epochs",
+                 f"{'search wall s':<34}{tune['torchrun_sequential_s']:>12.1f}"
+                 f"{tune['wall_s']:>12.1f}"
+                 f"{tune['wall_s'] / tune['torchrun_sequential_s']:>10.2f}x",
+                 f"{'search wall / sum of epoch_s':<34}{'':>12}{ratio_epochs:>11.1f}x"
+                 f"{'<= 3x':>14}"]
+        out["tune"] = {**{k: tune[k] for k in ("wall_s", "trial_epoch_s", "worker_epochs",
+                                                "torchrun_sequential_s", "trials")},
+                       "ratio_epoch_s": ratio_epochs}
+    return rows, out
+
+
 # ---------------------------------------------------------------------------- report
 
 
@@ -392,7 +533,7 @@ def main(argv=None) -> int:
           f"mode {args.mode}; {args.epochs} epochs x {args.train_size} images, {WORKERS} "
           f"workers x {PER_WORKER_BATCH}/step; logs in {out_dir}", flush=True)
     torch_runs, cold_runs, warm_runs = [], [], []
-    if args.mode in ("cold", "both") or (args.mode == "warm" and args.pairs):
+    if args.mode in ("cold", "both", "all") or (args.mode == "warm" and args.pairs):
         for i in range(args.pairs):
             order = ("torchrun", "raytrain") if i % 2 == 0 else ("raytrain", "torchrun")
             for side in order:
@@ -405,7 +546,7 @@ def main(argv=None) -> int:
                 else:
                     continue
                 print(describe(r), flush=True)
-    if args.mode in ("warm", "both") and args.warm_runs:
+    if args.mode in ("warm", "both", "all") and args.warm_runs:
         head = None
         try:
             address = args.address
@@ -422,15 +563,21 @@ def main(argv=None) -> int:
         finally:
             if head is not None:
                 head.stop()
+    pairs = [run_short_pair(args, out_dir, i) for i in range(args.short_pairs)
+             ] if args.mode in ("short", "all") else []
+    tune = run_tune(args, out_dir) if args.mode in ("tune", "all") else None
     rows, result = summary(torch_runs, cold_runs, warm_runs)
-    print("\n".join(rows))
-    failed = [r for r in torch_runs + cold_runs + warm_runs if "error" in r]
+    more_rows, more = short_rows(pairs, tune)
+    print("\n".join(rows + more_rows))
+    result.update(more)
+    failed = [r for r in torch_runs + cold_runs + warm_runs + [x for p in pairs for x in p]
+              + ([tune] if tune else []) if "error" in r]
     if not failed and not args.keep and args.out_dir is None:
         shutil.rmtree(out_dir, ignore_errors=True)
         out_dir = None
     result.update(benchmark="launcher_overhead", epochs=args.epochs, train_size=args.train_size,
                   workers=WORKERS, per_worker_batch=PER_WORKER_BATCH, logs=out_dir,
-                  runs=torch_runs + cold_runs + warm_runs)
+                  runs=torch_runs + cold_runs + warm_runs, short_runs=pairs, tune_run=tune)
     print(json.dumps(result))
     return 1 if failed else 0
 

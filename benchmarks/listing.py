@@ -8,7 +8,7 @@ Ray issues #40686/#55760: ``read_images`` over a folder of millions of files spe
 listing and carries GBs of path metadata. raytrain lists once on the driver (``os.scandir``
 and one ``stat`` per file on a local/NFS path; one recursive pyarrow ``get_file_info`` on a
 bucket) into a small Arrow table (path, label, row, size), which the decode tasks get once
-through the object store (``streaming.ListingRows``).
+through the object store (``raytrain.data.pipeline.ListingRows``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raytrain.data import streaming  # noqa: E402
+from raytrain.data.listing import list_image_folder  # noqa: E402
 
 
 def generate(root: str, files: int, classes: int) -> None:
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     import pyarrow.fs  # noqa: F401
     import torchvision.datasets  # noqa: F401
 
-    listing, t_rt, mem_rt = timed(lambda: streaming.list_image_folder(root))
+    listing, t_rt, mem_rt = timed(lambda: list_image_folder(root))
     table_mb = sum(t.nbytes for t in listing.tables.values()) / 2**20
 
     def torchvision_scan():

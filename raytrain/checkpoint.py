@@ -10,7 +10,6 @@ import errno
 import os
 import random
 import warnings
-import zipfile
 from typing import Any
 
 import numpy as np
@@ -109,25 +108,8 @@ def load_file(path: str) -> Any:
             warnings.simplefilter("ignore", UserWarning)  # pickle: the refusal says it all
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise RaytrainError(f"{path}: cannot load checkpoint: {why_unloadable(path, err)}"
+        raise RaytrainError(f"{path}: cannot load checkpoint: {files.why_unloadable(path, err)}"
                             ) from None
-
-
-def why_unloadable(path: str, err: Exception) -> str:
-    """Why ``torch.load(path, weights_only=True)`` raised ``err``, in words."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    zipped = zipfile.is_zipfile(path)
-    if _starts_with(path, b"PK\x03\x04") and not zipped:
-        return "it is truncated (torch.save's zip is incomplete)"
-    if ("weights_only" in str(err) or "Unsupported global" in str(err)) and (
-            zipped or _starts_with(path, b"\x80")):  # a pickle (protocol 2+)
-        return "it holds Python objects other than tensors (refused, nothing was run)"
-    return f"not a file torch.save wrote ({type(err).__name__}: {first[:80]})".replace(": )", ")")
-
-
-def _starts_with(path: str, magic: bytes) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(magic)) == magic
 
 
 def load_state(directory: str) -> dict[str, Any]:

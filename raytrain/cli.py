@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from raytrain.config import FIELDS, SECTIONS, TrainConfig, coerce
+from raytrain.config import (FIELDS, GROUPS, SECTIONS, RunSettings, TrainConfig,
+                             own_fields)
 from raytrain.errors import ConfigError
 
 
@@ -22,27 +23,44 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"raytrain: error: {message} (see --help)\n")
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Group descriptions as written: the dataclass's docstring, then its example line."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Flags come from the config dataclasses' fields; nothing is listed twice."""
+    """Flags come from the config dataclasses' fields, one --help group per dataclass (config.
+    GROUPS); nothing is listed twice."""
     p = _Parser(prog="raytrain-fit", argument_default=argparse.SUPPRESS,
                 description="Train an image classifier data-parallel on a Ray cluster "
-                "(Ray Train TorchTrainer + DDP). --batch-size and --lr are GLOBAL: each of N "
-                "workers gets batch_size // N images per step.",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", metavar="YAML", help="YAML file of settings (keys = flag names "
-                   "with _ ); flags given on the command line override it")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config, resources and per-worker batch; start nothing")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an existing run of this --name even if its config differs")
-    p.add_argument("--fresh", action="store_true",
-                   help="delete an existing run of this --name and start over")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    for section, cls in SECTIONS.items():
-        group = p.add_argument_group(section, (cls.__doc__ or "").strip())
-        for f in dataclasses.fields(cls):
+                "(Ray Train TorchTrainer + DDP).\n--batch-size and --lr are GLOBAL: each of N "
+                "workers gets batch_size // N images per step.\nEvery flag is also a YAML key "
+                "(--batch-size -> batch_size:) for --config; docs/flags.md lists them all.",
+                formatter_class=_Formatter)
+    for title, cls in GROUPS.items():
+        group = p.add_argument_group(title, group_description(cls))
+        if cls is RunSettings:
+            _add_run_actions(group)
+        for f in own_fields(cls):
             _add_flag(group, f)
     return p
+
+
+def group_description(cls: type) -> str:
+    doc = " ".join((cls.__doc__ or "").split())
+    return f"{doc}\n  e.g. {cls.example}"
+
+
+def _add_run_actions(group) -> None:
+    """The flags that say what to do with a run, not how to train: no config field."""
+    group.add_argument("--config", metavar="YAML", help="YAML file of settings (keys = flag "
+                       "names with _ ); flags given on the command line override it")
+    group.add_argument("--dry-run", action="store_true", help="print the resolved config, "
+                       "resources and per-worker batch; start nothing")
+    group.add_argument("--resume", action="store_true",
+                       help="continue an existing run of this --name even if its config differs")
+    group.add_argument("--fresh", action="store_true",
+                       help="delete an existing run of this --name and start over")
+    group.add_argument("--debug", action="store_true", help="show tracebacks on errors")
 
 
 def _add_flag(group, f: dataclasses.Field) -> None:
@@ -103,3 +121,28 @@ def resolve(args: argparse.Namespace) -> TrainConfig:
         except ConfigError as err:
             raise ConfigError(key, value, err.accepted, sources.get(key)) from None
     return TrainConfig.from_flat(flat, sources)
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Convert a CLI/YAML value to the field's type, naming the key when it can't be."""
+    f = FIELDS[key][1]
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+    if value is None or key == "num_workers":
+        return value
+    try:
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if kind.startswith("float"):
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+    except (TypeError, ValueError):
+        accepted = {"i": "a whole number", "f": "a number", "b": "true or false"}[kind[0]]
+        raise ConfigError(key, value, accepted) from None
+    return str(value) if kind.startswith("str") else value

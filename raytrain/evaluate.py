@@ -34,7 +34,7 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
     weights = weights if weights is not None else checkpoint.model_weights(path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dataset in STREAMING:  # the val split, decoded here (no Ray), as in training
-        from raytrain.data.streaming import LocalVal
+        from raytrain.data.sources import LocalVal
 
         if not data_dir:
             raise ConfigError("data_dir", data_dir, f"the directory or URI of the {dataset} "

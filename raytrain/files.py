@@ -1,4 +1,5 @@
-"""Run files on disk: one atomic write, one JSONL appender, JSONL and CSV readers/writers.
+"""Run files on disk: one atomic write, one JSONL appender, JSONL and CSV readers/writers, and
+why a torch file (checkpoint, weights) will not load.
 
 Every writer leaves a file whole or as it was: on a full disk the old content stays.
 """
@@ -11,6 +12,7 @@ import errno
 import io
 import json
 import os
+import zipfile
 from typing import Any, Iterable, Iterator, Sequence
 
 # A run directory's files that more than one side writes or reads.
@@ -83,3 +85,20 @@ def write_csv(path: str, columns: Sequence[str], rows: Iterable[dict[str, Any]])
 def read_csv(path: str) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def why_unloadable(path: str, err: Exception) -> str:
+    """Why ``torch.load(path, weights_only=True)`` raised ``err``, in words."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    zipped = zipfile.is_zipfile(path)
+    if _starts_with(path, b"PK\x03\x04") and not zipped:
+        return "it is truncated (torch.save's zip is incomplete)"
+    if ("weights_only" in str(err) or "Unsupported global" in str(err)) and (
+            zipped or _starts_with(path, b"\x80")):  # a pickle (protocol 2+)
+        return "it holds Python objects other than tensors (refused, nothing was run)"
+    return f"not a file torch.save wrote ({type(err).__name__}: {first[:80]})".replace(": )", ")")
+
+
+def _starts_with(path: str, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic

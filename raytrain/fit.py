@@ -60,15 +60,13 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
     """Connect (or start) the cluster, run ``run_fn``, stop a cluster raytrain started."""
     from raytrain.driver import cluster
 
+    cluster.import_in_background()  # beside Ray's start
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
-                                      cfg.cluster.keep_cluster)
+                                      cfg.cluster.keep_cluster, cluster.warm_workers(cfg))
     try:
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
-        if started_cluster:
-            import ray
-
-            ray.shutdown()
+        cluster.disconnect(started_cluster)
 
 
 def main_cli() -> None:

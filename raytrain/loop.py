@@ -1,12 +1,51 @@
-"""``python -m raytrain.loop`` / ``torchrun ... -m raytrain.loop``: the worker loop without Ray.
+"""The worker loop without Ray: one process, or one per rank under ``torchrun``.
 
-The code lives in ``raytrain.worker`` (``loop``: the loop, ``local``: this entry point).
+    python -m raytrain.loop --dataset digits --epochs 3
+    torchrun --standalone --nproc_per_node 2 -m raytrain.loop --model seed-cnn \
+        --dataset synthetic --batch-size 128 --epochs 3
+
+A face, like ``raytrain.fit``: it takes the CLI's flags and runs ``raytrain.worker.loop``'s
+``run_worker`` (the very step Ray Train's workers run), so a GPU can be timed without Ray.
 """
 
-from raytrain.worker.local import main  # noqa: F401
-from raytrain.worker.loop import (Worker, autocast_dtype, evaluate, make_optimizer,  # noqa: F401
-                                  make_scheduler, prepare_model, run_worker, train_epoch,
-                                  train_step)
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raytrain.cli import build_parser, resolve
+from raytrain.worker.loop import Worker, run_worker
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Takes raytrain.fit's flags (cluster and run-storage flags are ignored); prints one JSON
+    line of metrics per epoch on rank 0. No checkpoints: it times and checks the real step."""
+    cfg = resolve(build_parser().parse_args(argv))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if cfg.cluster.use_gpu is not False
+                          and torch.cuda.is_available() else "cpu")
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    worker = Worker(int(os.environ.get("RANK", "0")), local_rank, world, device)
+
+    def report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
+        if worker.master:
+            print(json.dumps(metrics), flush=True)
+
+    try:
+        run_worker(cfg, worker, report)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

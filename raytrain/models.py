@@ -9,14 +9,15 @@ is key-for-key and shape-for-shape torchvision's: ``torchvision.models.resnet18(
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raytrain import files
 from raytrain.errors import ConfigError
+from raytrain.model_names import check_model_name
 
 
 class SeedCNN(nn.Module):
@@ -91,7 +92,7 @@ class SmallCNN(nn.Module):
         return self.head(torch.amax(x, dim=(2, 3)))
 
 
-CUSTOM = {"seed-cnn": SeedCNN, "lenet": LeNet, "small-cnn": SmallCNN}  # raytrain's own models
+CUSTOM = {"seed-cnn": SeedCNN, "lenet": LeNet, "small-cnn": SmallCNN}  # = model_names.CUSTOM_MODELS
 
 
 def apply_stem(model: nn.Module, stem: str, image_size: int) -> None:
@@ -105,20 +106,6 @@ def apply_stem(model: nn.Module, stem: str, image_size: int) -> None:
     if stem == "cifar" or (stem == "auto" and image_size <= 64):
         model.conv1.stride = (1, 1)
         model.maxpool = nn.Identity()
-
-
-@functools.lru_cache(maxsize=1)
-def torchvision_names() -> tuple[str, ...]:
-    import torchvision
-
-    return tuple(torchvision.models.list_models(module=torchvision.models))
-
-
-def check_model_name(name: str) -> None:
-    if name not in CUSTOM and name not in torchvision_names():
-        shown = ", ".join([*CUSTOM, *(n for n in torchvision_names() if n.startswith("res"))])
-        raise ConfigError("model", name, f"one of {shown}, ... (any torchvision "
-                          "classification model; see torchvision.models.list_models())")
 
 
 def build_model(name: str, num_classes: int, pretrained: str | None = None,
@@ -162,15 +149,13 @@ def head_keys(model: nn.Module) -> set[str]:
 
 def load_pretrained(model: nn.Module, path: str) -> None:
     """Load a local weights file into ``model``, keeping the model's own (fresh) head."""
-    from raytrain.checkpoint import why_unloadable
-
     try:
         with warnings.catch_warnings():  # torch's own notes before the refusal: noise
             warnings.simplefilter("ignore", UserWarning)
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise ConfigError("pretrained", path, "a torch weights file (state_dict) loadable "
-                          f"with weights_only=True; {why_unloadable(path, err)}") from None
+                          f"with weights_only=True; {files.why_unloadable(path, err)}") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]  # a raytrain training checkpoint
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

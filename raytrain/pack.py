@@ -5,7 +5,7 @@
 
 SRC is an image folder (``SRC/train/<class>/*``, ``SRC/val|test/<class>/*``, local or s3://,
 gs://); OUT gets ``train/*.parquet``, ``val/*.parquet`` and ``classes.json`` in the layout
-``raytrain.data.streaming`` documents (columns ``image`` binary, ``label`` int64, ``path`` string).
+``raytrain.data.listing`` documents (columns ``image`` binary, ``label`` int64, ``path`` string).
 Reading and re-encoding run as Ray Data tasks on every CPU of the cluster. Train rows are written
 in a shuffled order (seed 0) so that file-level shuffling while training mixes classes.
 ``--short-side N`` shrinks images whose short side is above N (never enlarges) and re-encodes
@@ -22,7 +22,9 @@ import sys
 
 import numpy as np
 
-from raytrain.data import streaming
+from raytrain.data.decode import open_image, read_files, to_rgb
+from raytrain.data.listing import Listing, list_image_folder, resolve_fs
+from raytrain.data.pipeline import listing_dataset
 from raytrain.errors import RaytrainError
 
 
@@ -32,7 +34,7 @@ def shrink(data: bytes, short_side: int | None, quality: int = 90) -> bytes:
         return data
     from PIL import Image
 
-    im = streaming.open_image(data)
+    im = open_image(data)
     w, h = im.size
     if min(w, h) <= short_side and im.format == "JPEG":
         return data
@@ -40,7 +42,7 @@ def shrink(data: bytes, short_side: int | None, quality: int = 90) -> bytes:
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
     if im.format == "JPEG":
         im.draft("RGB" if im.mode in ("RGB", "YCbCr") else im.mode, size)
-    im = streaming.to_rgb(im).resize(size, Image.BILINEAR, reducing_gap=3.0)
+    im = to_rgb(im).resize(size, Image.BILINEAR, reducing_gap=3.0)
     buf = io.BytesIO()
     im.save(buf, format="JPEG", quality=quality)
     return buf.getvalue()
@@ -54,7 +56,7 @@ class PackFn:
 
     def __call__(self, batch: dict) -> dict:
         paths = list(batch["path"])
-        datas = streaming.read_files(self.fs, paths)
+        datas = read_files(self.fs, paths)
         out = []
         for p, d in zip(paths, datas):
             try:
@@ -74,22 +76,22 @@ def rows_per_shard(table, fs, shard_mb: float, short_side: int | None) -> int:
     if short_side and len(sizes):
         idx = np.linspace(0, len(sizes) - 1, min(16, len(sizes))).astype(int)
         paths = [table.column("path")[int(i)].as_py() for i in idx]
-        sample = [shrink(d, short_side) for d in streaming.read_files(fs, paths)]
+        sample = [shrink(d, short_side) for d in read_files(fs, paths)]
         mean = float(np.mean([len(s) for s in sample]))
     return max(1, int(shard_mb * 2**20 / max(mean, 1.0)))
 
 
 def pack(src: str, out: str, short_side: int | None = None, shard_mb: float = 256,
-         seed: int = 0, listing: streaming.Listing | None = None) -> dict[str, int]:
+         seed: int = 0, listing: Listing | None = None) -> dict[str, int]:
     """Write OUT/{train,val}/*.parquet and OUT/classes.json; returns rows per split."""
 
-    listing = listing or streaming.list_image_folder(src)
-    src_fs, src_root = streaming.resolve_fs(src)
-    out_fs, out_root = streaming.resolve_fs(out)
+    listing = listing or list_image_folder(src)
+    src_fs, src_root = resolve_fs(src)
+    out_fs, out_root = resolve_fs(out)
     out_fs.create_dir(out_root, recursive=True)
     for split, table in listing.tables.items():
-        ds = streaming.listing_dataset(table, 32, shuffle=split == "train", seed=seed,
-                                       fn=PackFn(src_fs, src_root, short_side))
+        ds = listing_dataset(table, 32, shuffle=split == "train", seed=seed,
+                             fn=PackFn(src_fs, src_root, short_side))
         per_file = rows_per_shard(table, src_fs, shard_mb, short_side)
         ds.write_parquet(f"{out_root}/{split}", filesystem=out_fs,
                          min_rows_per_file=per_file, max_rows_per_file=per_file)
@@ -144,19 +146,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("SRC and OUT are required (or --from digits OUT)")
     import ray
 
+    from raytrain import ray_compat
+
     try:
-        listing = streaming.list_image_folder(args.src)  # bad layouts fail before Ray starts
+        listing = list_image_folder(args.src)  # bad layouts fail before Ray starts
     except RaytrainError as err:
         print(f"error: {str(err).replace('--data-dir', 'SRC', 1)}", file=sys.stderr)
         return 2
     try:
-        ray.init(address=args.address or "local", logging_level="ERROR")
+        if args.address:
+            ray.init(address=args.address, logging_level="ERROR")
+        else:
+            ray_compat.init_local(logging_level="ERROR")
         counts = pack(args.src, args.out, args.short_side, args.shard_mb, listing=listing)
     except RaytrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        ray.shutdown()
+        ray_compat.shutdown()
     print(f"packed {counts['train']} train and {counts['val']} val images into {args.out}")
     return 0
 

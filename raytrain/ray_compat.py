@@ -185,6 +185,81 @@ def local_cpus() -> float:
 _LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
+# FALLBACK (2026-12-04). A new local cluster whose processes know its address. A Ray process
+# looking for "the" cluster (the State API: dashboard/utils.py, services.py
+# get_ray_address_from_environment) takes $RAY_ADDRESS, else /tmp/ray/ray_current_cluster: the
+# last `ray start` here, dead or alive (Ray issues #45771, #27021). Ray 2.60's Train state actor
+# calls ray.util.state.get_actor every 30 s holding the lock the controller's last update needs;
+# following a dead cluster there it retried ~40 s: runs ended 40 s late (issue #27, py-spy).
+# So the GCS port is chosen here ($RAY_GCS_SERVER_PORT, ray_constants, read by _private/node.py)
+# and $RAY_ADDRESS set to it before the cluster starts: all its processes inherit it. Missing
+# (or the GCS came up elsewhere): a plain start; a stale file may stall a run's end by ~40 s.
+GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
+_LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (runs end late)"
+_saved_env: list[dict[str, str | None]] = []
+
+
+def init_local(warm_workers: int = 0, warm_modules: tuple[str, ...] = (), **kwargs):
+    """``ray.init(address="local")`` whose processes find it (+ ``warm_env``); ``shutdown()``."""
+    import socket
+
+    import ray
+    from ray.util import get_node_ip_address
+
+    env = warm_env(warm_workers, warm_modules)
+    name = _internal("ray._private.ray_constants", "GCS_PORT_ENVIRONMENT_VARIABLE")
+    if name is None:
+        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+    else:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = os.environ.get(name) or str(sock.getsockname()[1])
+        env.update({name: port, "RAY_ADDRESS": f"{get_node_ip_address()}:{port}"})
+    _saved_env.append({k: os.environ.get(k) for k in env})
+    os.environ.update(env)
+    try:
+        ctx = ray.init(address="local", **kwargs)
+    except BaseException:
+        _restore_env()
+        raise
+    if name is not None and ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
+        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+        os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]  # the driver's, at least
+    return ctx
+
+
+def shutdown() -> None:
+    """``ray.shutdown()``, then the environment as it was before ``init_local``."""
+    import ray
+
+    ray.shutdown()
+    _restore_env()
+
+
+def _restore_env() -> None:
+    while _saved_env:
+        for key, value in _saved_env.pop().items():
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+
+
+# FALLBACK (2026-12-04). Workers ready before a run needs them, on a cluster raytrain starts.
+# Ray 2.60's raylet reads RayConfig from $RAY_<name> (src/ray/common/ray_config_def.h):
+# enable_worker_prestart + num_prestart_python_workers start workers at once, each importing
+# preload_python_modules (default_worker.py) first; num_workers_soft_limit keeps them from being
+# reaped. Train's controller and workers then start on processes with torch and ray.train in
+# (2 actors: 1.5 s cold -> 0.6 s). No public prestart API in 2.60. Missing: workers start cold.
+WARM_MODULES = ("ray.train.torch", "raytrain.worker.ray_entry")
+
+
+def warm_env(count: int, modules: tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment for a new cluster: ``count`` workers, ``modules`` imported in each."""
+    if count <= 0:
+        return {}
+    return {"RAY_enable_worker_prestart": "1", "RAY_num_prestart_python_workers": str(count),
+            "RAY_num_workers_soft_limit": str(max(count, int(local_cpus()))),
+            "RAY_preload_python_modules": ",".join(modules or WARM_MODULES)}
+
+
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
 # is up, beside the driver's preflight, instead of on the controller's way to the first step.
 # Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
@@ -230,30 +305,24 @@ def cluster_config():
 #   the trainer has no datasets;
 # - PlacementGroupCleanerCallback's detached cleaner: dropped where the driver exits right
 #   after the controller (a plain run; Ray frees a finished job's groups), kept in Tune trials;
-# - FixedScalingPolicy's resource requests to Ray Data's autoscaling coordinator (whose actor
-#   it starts): dropped where preflight found no autoscaling node types.
-# On such a cluster the scaling policies (fixed and elastic) also ask driver/nodes.NodeWatch
-# where the workers fit: live nodes only, a bounded wait for a lost node (--wait-timeout), an
-# elastic run grown at a checkpointed epoch when a node joins; driver/nodes.py says why Ray's
-# own take minutes there. They return the internal NoopDecision/ResizeDecision.
-# Uses the private TorchTrainer._create_default_callbacks / _initialize_and_run_controller and
-# the internal classes above. Missing: Ray's own TorchTrainer runs unchanged (nothing
-# dropped: a few seconds more to the first step; a lost node is waited for as Ray does: the
-# 60 s worker-group start timeout, 4 times, before the run fails).
+# - the scaling policies' requests to Ray Data's autoscaling coordinator (whose actor they
+#   start) where preflight found no autoscaling node types: driver/nodes.NodeWatch sizes the
+#   worker groups there instead. Uses the private TorchTrainer._create_default_callbacks /
+# _initialize_and_run_controller and the internal classes above. Missing: Ray's own
+# TorchTrainer runs unchanged (a few seconds more to the first step; a lost node costs Ray's
+# 60 s start timeouts, see driver/nodes.py).
 TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
-                     "ray.train.v2._internal callbacks, Fixed/ElasticScalingPolicy and "
-                     "Noop/ResizeDecision")
+                     "ray.train.v2._internal callbacks, FixedScalingPolicy, Noop/ResizeDecision")
 _CALLBACKS = "ray.train.v2._internal.callbacks"
 
 
 def _trainer_internals():
     from ray.train.torch import TorchTrainer
 
-    policies = "ray.train.v2._internal.execution.scaling_policy"
     found = (_internal(f"{_CALLBACKS}.datasets", "DatasetsCallback"),
              _internal(f"{_CALLBACKS}.placement_group_callback", "PlacementGroupCleanerCallback"),
-             _internal(policies, "FixedScalingPolicy"), _internal(policies, "ElasticScalingPolicy"),
-             _internal(policies, "NoopDecision"), _internal(policies, "ResizeDecision"))
+             *(_internal("ray.train.v2._internal.execution.scaling_policy", n) for n in (
+                 "FixedScalingPolicy", "NoopDecision", "ResizeDecision")))
     if None in found or not all(hasattr(TorchTrainer, m) for m in (
             "_create_default_callbacks", "_initialize_and_run_controller")):
         return None
@@ -261,9 +330,7 @@ def _trainer_internals():
 
 
 def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=None, **kwargs):
-    """``TorchTrainer(*args, **kwargs)``, less the actors above. ``fixed_cluster``: the cluster
-    cannot grow; ``driver_outlives_run``: keep the placement-group cleaner (Tune trials);
-    ``watch``: a driver.nodes.NodeWatch the scaling policy of a fixed cluster asks."""
+    """``TorchTrainer(*args, **kwargs)`` less the actors above; ``watch`` sizes its groups."""
     classes = _trainer_classes()
     if classes is None:
         from ray.train.torch import TorchTrainer
@@ -276,70 +343,38 @@ def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=No
 
 @functools.lru_cache(maxsize=None)
 def _trainer_classes() -> dict[str, type] | None:
-    """``Trainer``, ``FixedClusterPolicy`` and ``ElasticClusterPolicy``, defined once this Ray
-    is known to have what they override; importable as ``raytrain.ray_compat.<name>`` (the
-    controller unpickles them)."""
+    """``Trainer`` and the two policies, defined once this Ray is known to have what they
+    override; importable as ``raytrain.ray_compat.<name>`` (the controller unpickles them)."""
     found = _trainer_internals()
     if found is None:
         return None
     from ray.train.torch import TorchTrainer
 
-    datasets_cb, cleaner_cb, fixed_policy, elastic_policy, noop, resize = found
+    datasets_cb, cleaner_cb, fixed_policy, noop, resize = found
 
-    class NoCoordinator:
-        """Ray's policies minus their resource requests to the autoscaling coordinator (whose
-        actor they would start): a cluster that cannot grow has nobody to answer them. With
-        a ``watch`` (driver/nodes.NodeWatch) it decides where the workers fit."""
+    class ClusterPolicy(fixed_policy):
+        """Fixed or elastic on a cluster that cannot grow, sized by ``self.watch``."""
 
-        def __init__(self, scaling_config, watch=None):
-            super().__init__(scaling_config)
-            self.watch = watch
+        after_controller_start = _maybe_send_resource_request = _send_resource_request = \
+            _cancel_resource_request = lambda self, *args: None  # no coordinator to ask
 
-        def after_controller_start(self, train_run_context) -> None:
-            pass
-
-        def _maybe_send_resource_request(self) -> None:
-            pass
-
-        def _send_resource_request(self) -> None:
-            pass
-
-        def _cancel_resource_request(self) -> None:
-            pass
-
-        def _resize(self, n: int | None):
-            if n is None:
-                return noop()
-            return resize(num_workers=n,
-                          resources_per_worker=self.scaling_config._resources_per_worker_not_none)
+        def _decide(self, n: int | None):
+            per = self.scaling_config._resources_per_worker_not_none
+            return noop() if n is None else resize(num_workers=n, resources_per_worker=per)
 
         def make_decision_for_non_running_worker_group(self):
-            if self.watch is None:
-                return super().make_decision_for_non_running_worker_group()
-            return self._resize(self.watch.start())
+            return self._decide(self.watch.start())
 
-    class FixedClusterPolicy(NoCoordinator, fixed_policy):
-        """Ray's fixed scaling policy on a cluster that cannot grow."""
-
-    class ElasticClusterPolicy(NoCoordinator, elastic_policy):
-        """An elastic MIN:MAX run on a cluster that cannot grow: sized by the live nodes (not
-        the coordinator's 20 s old view), grown when nodes join (``NodeWatch.grow``)."""
-
-        def make_decision_for_running_worker_group(self, worker_group_state,
-                                                   worker_group_status):
-            if self.watch is None:
-                return noop()
-            return self._resize(self.watch.grow(worker_group_state.num_workers))
+        def make_decision_for_running_worker_group(self, worker_group_state, status):
+            return self._decide(self.watch.grow(worker_group_state.num_workers))
 
     class Trainer(TorchTrainer):
         """``TorchTrainer`` without the actors above."""
 
-        def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, watch=None,
-                     **kwargs):
+        def __init__(self, *args, fixed_cluster, driver_outlives_run, watch=None, **kwargs):
             super().__init__(*args, **kwargs)
-            self.fixed_cluster = fixed_cluster
             self.driver_outlives_run = driver_outlives_run
-            self.watch = watch
+            self.watch = watch if fixed_cluster else None  # None: Ray's own scaling policies
 
         def _create_default_callbacks(self):
             drop: tuple[type, ...] = () if self.datasets else (datasets_cb,)
@@ -349,22 +384,20 @@ def _trainer_classes() -> dict[str, type] | None:
                     if not isinstance(cb, drop)]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            ours = {fixed_policy: FixedClusterPolicy, elastic_policy: ElasticClusterPolicy}.get(
-                type(controller_init_kwargs.get("scaling_policy")))
-            if self.fixed_cluster and ours is not None:
-                controller_init_kwargs["scaling_policy"] = ours(self.scaling_config, self.watch)
+            if self.watch is not None:  # in place of Ray's fixed or elastic one
+                policy = controller_init_kwargs["scaling_policy"] = ClusterPolicy(
+                    self.scaling_config)
+                policy.watch = self.watch
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
-    classes = {"Trainer": Trainer, "FixedClusterPolicy": FixedClusterPolicy,
-               "ElasticClusterPolicy": ElasticClusterPolicy, "NoCoordinator": NoCoordinator}
+    classes = {"Trainer": Trainer, "ClusterPolicy": ClusterPolicy}
     for name, cls in classes.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
 
 
-def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .FixedClusterPolicy / ...
-    classes = _trainer_classes() if name in (
-        "Trainer", "FixedClusterPolicy", "ElasticClusterPolicy", "NoCoordinator") else None
+def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPolicy
+    classes = _trainer_classes() if name in ("Trainer", "ClusterPolicy") else None
     if classes is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return classes[name]
@@ -478,8 +511,7 @@ def asha_setting(scheduler, name: str) -> Any:
 
 
 def asha_count_stopped(scheduler) -> None:
-    if hasattr(scheduler, "_num_stopped"):
-        scheduler._num_stopped += 1
+    scheduler._num_stopped = getattr(scheduler, "_num_stopped", 0) + 1
 
 
 # FALLBACK. The Trials of a finished search, with their statuses: ResultGrid has no public
@@ -492,16 +524,14 @@ def result_grid_trials(grid) -> list:
     analysis = getattr(grid, "_experiment_analysis", None)
     if analysis is None:
         warn_once(RESULT_GRID_TRIALS, "trial statuses are read back from the saved state")
-        from ray.tune import ExperimentAnalysis
-
-        analysis = ExperimentAnalysis(grid.experiment_path)
+        analysis = importlib.import_module("ray.tune").ExperimentAnalysis(grid.experiment_path)
     return list(analysis.trials)
 
 
 # ---------------------------------------------------------------------------- Ray Data side
 
 
-# FALLBACK. The epoch of a streamed dataset (data/streaming.py). Ray Data counts the executions
+# FALLBACK. The epoch of a streamed dataset (data/decode.py). Ray Data counts the executions
 # of a dataset in its DataContext's private ``_execution_idx`` (data/context.py, advanced by
 # execution_idx_update_callback.py after each one); RandomSeedConfig(reseed_after_execution=
 # True) reseeds shuffles from the same counter. Under Train each epoch's pass over a shard is
@@ -555,6 +585,9 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
                                             "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
                           _LOST_SNAPSHOT),
+    GCS_PORT_ENV: (lambda: _internal("ray._private.ray_constants",
+                                     "GCS_PORT_ENVIRONMENT_VARIABLE") is not None,
+                   _LOST_GCS_PORT),
     LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
                  _LOST_LOCAL_CPUS),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),

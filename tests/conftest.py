@@ -31,14 +31,13 @@ def s3_server():
 def ray_cluster(s3_server):
     """A real local Ray cluster with 2 logical CPUs, shut down at the end of the session
     (started after the S3 environment is set: see ``s3_server``)."""
-    import ray
-
+    from raytrain import ray_compat
     from raytrain.driver.cluster import train_env
 
     train_env()
-    ctx = ray.init(address="local", num_cpus=2, logging_level="WARNING")
+    ctx = ray_compat.init_local(num_cpus=2, logging_level="WARNING")
     yield ctx
-    ray.shutdown()
+    ray_compat.shutdown()
 
 
 _HELD: list[bool] = []  # the session cluster's CPUs stayed held once: no more waiting

@@ -23,6 +23,7 @@ QUICK = {
     "asha_replay.py": ["--quick"],
     "folder_ingest.py": ["--quick"],
     "listing.py": ["--quick"],
+    "predict_throughput.py": ["--quick"],
     "recipe_effects.py": ["--quick"],
     "seed_ddp.py": ["--quick"],
 }

@@ -36,6 +36,32 @@ def test_dry_run_prints_resolved_config_and_per_worker_batch(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "x")  # started nothing, wrote nothing
 
 
+def test_help_groups_the_flags_by_dataclass_with_one_example_each(tmp_path):
+    from raytrain.config import FIELDS, GROUPS, own_fields
+
+    parser = fit.build_parser()
+    groups = {g.title: g for g in parser._action_groups}
+    assert [t for t in groups if t in GROUPS] == ["run", "data", "model", "optimisation",
+                                                  "recipe", "Tune", "cluster", "storage",
+                                                  "tracking"]
+    grouped = []
+    for title, cls in GROUPS.items():
+        own = {f.name for f in own_fields(cls)}
+        assert own <= {a.dest for a in groups[title]._group_actions}, title
+        grouped += own
+        doc, example = groups[title].description.split("\n  e.g. ")
+        assert doc and example.startswith("python -m raytrain.fit "), title
+        argv = example.split()[3:]
+        if "--data-dir" in argv:  # the example's folder: python -m raytrain.pack --from digits
+            (tmp_path / "digits-folder").mkdir()
+            argv[argv.index("--data-dir") + 1] = str(tmp_path / "digits-folder")
+        args = parser.parse_args(argv)
+        assert own & set(vars(args)), f"{title}'s example uses none of its flags"
+        fit.resolve(args)  # a valid config
+    assert sorted(grouped) == sorted(FIELDS)  # every setting in exactly one group
+    assert parser.format_help().count("  e.g. python -m raytrain.fit ") == len(GROUPS)
+
+
 def test_elastic_workers_parse():
     cfg = fit.resolve(fit.build_parser().parse_args(["--num-workers", "2:4",
                                                      "--batch-size", "64"]))

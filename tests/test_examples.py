@@ -1,9 +1,9 @@
-"""The examples resolve to valid configs (dry run), and the README documents every flag."""
+"""The examples resolve to valid configs (dry run); docs/flags.md lists every flag
+(tests/test_docs.py)."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -53,13 +53,5 @@ def test_finetune_recipes_run_without_weights():
 def test_digits_yaml_example_resolves():
     cfg = fit.resolve(fit.build_parser().parse_args(
         ["--config", os.path.join(ROOT, "examples", "digits.yaml")]))
-    assert cfg.data.dataset == "digits" and cfg.per_worker_batch == 64
+    assert cfg.data.dataset == "digits" and cfg.per_worker_batch == 32 and cfg.optim.epochs == 15
 
-
-def test_readme_documents_every_flag():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    flags = {opt for action in fit.build_parser()._actions for opt in action.option_strings
-             if opt.startswith("--") and opt != "--help"}
-    missing = sorted(f for f in flags if not re.search(re.escape(f) + r"\b", readme))
-    assert not missing, missing

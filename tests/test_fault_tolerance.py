@@ -67,6 +67,34 @@ def test_more_failures_than_allowed_fail_clearly(address, tmp_path):
     assert "raytrain: error: training failed" in out
 
 
+def test_a_killed_controller_leaves_no_placement_group_on_a_cluster_that_outlives_it(
+        address, tmp_path):
+    """The suite's held session-cluster CPU, at its source: Ray removes a placement group once
+    its creator (the Train controller) *and* the creator's job (the driver) are dead, so a
+    controller that dies while the driver goes on (a notebook, this suite's shared cluster,
+    an in-process run) left its workers' group holding their CPUs for good. The run must
+    fail in one line and remove what its controller left."""
+    import threading
+
+    import ray
+    from ray.util.state import list_actors
+
+    codes = []
+    run = threading.Thread(target=lambda: codes.append(fit.main(
+        [*SLOW, "--epochs", "20", "--storage-path", str(tmp_path), "--name", "ctl"])))
+    run.start()
+    try:
+        wait_for_epoch(tmp_path / "ctl", 1, None, timeout=240)
+        [controller] = list_actors(address=address, filters=[
+            ("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        os.kill(controller.pid, signal.SIGKILL)
+    finally:
+        run.join(timeout=180)
+    assert codes == [1]  # a failed run, said in one line (fit.main printed it)
+    wait_until(lambda: ray.available_resources().get("CPU", 0) == 2, 15,
+               "the killed controller's workers' CPUs free again")
+
+
 def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path):
     # Half SLOW's epoch: three 4-epoch runs; an epoch still outlasts the kill's polling
     args = [*SLOW, "--synthetic-size", "8000", "--epochs", "4", "--storage-path", str(tmp_path)]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from raytrain import fit
-from raytrain.worker import local as loop
+from raytrain import loop
 from raytrain.config import ConfigError
 from raytrain.models import SeedCNN
 from tests.helpers import fit_in_process

@@ -7,9 +7,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -21,8 +23,8 @@ import yaml
 from raytrain import fit, report
 from raytrain.driver import preflight
 from raytrain.driver.run import latest_checkpoint_epoch
-from tests.helpers import (AWS, ONPREM, LocalCluster, metrics, small_tmpfs, wait_for_epoch,
-                           wait_gone)
+from tests.helpers import (AWS, ONPREM, LocalCluster, free_port, metrics, small_tmpfs,
+                           wait_for_epoch, wait_gone)
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -70,6 +72,37 @@ def test_unreachable_address_fails_within_30s():
     assert proc.returncode == 2 and time.monotonic() - start < 30
     assert proc.stderr.strip().startswith("raytrain: error: --address 127.0.0.1:9")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_stale_ray_address_file_does_not_delay_the_end_of_a_run(tmp_path):
+    """Ray's address file naming a dead cluster (what a killed `ray start --head` leaves) made
+    runs end ~40 s after their last epoch: Ray Train's state actor, reconciling every 30 s,
+    asked the State API, which followed the file to the dead GCS while holding the lock the
+    controller's last update waits for (issue #27). Here the file is in a private Ray temp dir
+    ($RAY_TMPDIR: the machine's /tmp/ray is never touched) and the actor reconciles every 1 s,
+    so every run of this length meets it: without the fix this run ended 40+ s late."""
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live here
+    try:
+        os.makedirs(os.path.join(ray_tmp, "ray"))
+        stale = os.path.join(ray_tmp, "ray", "ray_current_cluster")
+        with open(stale, "w") as f:
+            f.write(f"127.0.0.1:{free_port()}")  # nothing listens there
+        env = {**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp,
+               "RAY_TRAIN_STATE_ACTOR_RECONCILIATION_INTERVAL_S": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--num-workers", "1",
+                                 "--dataset", "digits", "--epochs", "6", "--storage-path",
+                                 str(tmp_path), "--name", "stale"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+        out, _ = proc.communicate(timeout=240)
+        ended = time.time()
+        assert proc.returncode == 0, out
+        assert [r["epoch"] for r in metrics(tmp_path / "stale")] == [1, 2, 3, 4, 5, 6]
+        last_epoch = os.path.getmtime(tmp_path / "stale" / "metrics.jsonl")
+        assert ended - last_epoch < 10, f"ended {ended - last_epoch:.1f} s after its last epoch"
+        with open(stale) as f:  # Ray's file, as it was
+            assert f.read().startswith("127.0.0.1:")
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from raytrain.errors import ConfigError
-from raytrain.data import streaming
+from raytrain.data.decode import rrc_params
+from raytrain.data.listing import list_image_folder
+from raytrain.data.pipeline import (build_datasets, check_data_cpus, data_config, listing_dataset,
+                                    reserve_data_cpus, steps_per_epoch)
+from raytrain.data.sources import iter_batches
 from tests.helpers import upload_folder
 
 SIZE = 16
@@ -110,7 +114,7 @@ def digest(image) -> str:
 def test_listing_matches_torchvision_imagefolder(folder):
     from torchvision.datasets import ImageFolder
 
-    listing = streaming.list_image_folder(folder)
+    listing = list_image_folder(folder)
     for split in ("train", "val"):
         tv = ImageFolder(os.path.join(folder, split))
         assert listing.class_names == tv.classes if split == "train" else True
@@ -122,7 +126,7 @@ def test_listing_matches_torchvision_imagefolder(folder):
 
 def test_test_dir_accepted_for_val(tmp_path):
     root = make_folder(tmp_path, val_dir="test")
-    assert streaming.list_image_folder(root).counts["val"] == 7
+    assert list_image_folder(root).counts["val"] == 7
 
 
 @pytest.mark.parametrize("case, needle", [
@@ -155,23 +159,23 @@ def test_listing_errors_are_one_line_naming_data_dir(tmp_path, case, needle):
         os.makedirs(root / "val" / "seven")
         write_image(str(root / "val" / "seven" / "a.png"), np.ones((8, 8)), "L", (8, 8))
     with pytest.raises(ConfigError) as err:
-        streaming.list_image_folder(str(root))
+        list_image_folder(str(root))
     msg = str(err.value)
     assert msg.startswith("--data-dir") and "\n" not in msg and needle in msg, msg
 
 
 def test_bad_dataset_name():
     with pytest.raises(ConfigError, match="--dataset"):
-        streaming.build_datasets("tfrecords", "/nowhere", 32)
+        build_datasets("tfrecords", "/nowhere", 32)
 
 
 # ---------------------------------------------------------------------------- pipeline
 
 
 def test_pipeline_shapes_dtypes_labels(ray_local, folder):
-    datasets, names, counts = streaming.build_datasets("imagefolder", folder, SIZE, seed=0)
+    datasets, names, counts = build_datasets("imagefolder", folder, SIZE, seed=0)
     assert names == ["one", "three", "zero"] and counts == {"train": 18, "val": 7}
-    listing = streaming.list_image_folder(folder)
+    listing = list_image_folder(folder)
     for split in ("train", "val"):
         got = run_with_timeout(rows, datasets[split])
         assert len(got) == counts[split]
@@ -181,14 +185,14 @@ def test_pipeline_shapes_dtypes_labels(ray_local, folder):
             sorted(listing.tables[split].column("label").to_pylist())
     # Through iter_batches as a worker would: torch uint8 NCHW + int64 on the device.
     # (Ray 2.60 may hand over the short last batch first: batches are formatted in threads.)
-    got = list(streaming.iter_batches(datasets["val"].iterator(), 4, "cpu", train=False))
+    got = list(iter_batches(datasets["val"].iterator(), 4, "cpu", train=False))
     assert sorted(len(y) for _, y, _ in got) == [3, 4]
     assert all(x.dtype == torch.uint8 and x.shape[1:] == (3, SIZE, SIZE)
                and y.dtype == torch.int64 for x, y, _ in got)
 
 
 def test_eval_crops_are_deterministic_and_no_augment_uses_them(ray_local, folder):
-    datasets, _, _ = streaming.build_datasets("imagefolder", folder, SIZE, augment=False)
+    datasets, _, _ = build_datasets("imagefolder", folder, SIZE, augment=False)
     first = sorted(digest(r["image"]) for r in run_with_timeout(rows, datasets["val"]))
     again = sorted(digest(r["image"]) for r in run_with_timeout(rows, datasets["val"]))
     assert first == again
@@ -200,7 +204,7 @@ def test_eval_crops_are_deterministic_and_no_augment_uses_them(ray_local, folder
 
 def test_train_crops_reproducible_given_seed_and_new_each_epoch(ray_local, folder):
     def epochs(seed, n=2):
-        ds = streaming.build_datasets("imagefolder", folder, SIZE, seed=seed)[0]["train"]
+        ds = build_datasets("imagefolder", folder, SIZE, seed=seed)[0]["train"]
         return [collections.Counter(digest(r["image"]) for r in run_with_timeout(rows, ds))
                 for _ in range(n)]
 
@@ -215,12 +219,12 @@ def _rows_only(batch):
 
 
 def test_each_epoch_reads_every_listed_image_once_in_its_own_order(ray_local, folder):
-    table = streaming.list_image_folder(folder).tables["train"]
+    table = list_image_folder(folder).tables["train"]
     n = table.num_rows
 
     def epochs(shuffle, seed, count=2):
         """Per epoch: the tasks' row groups (tasks finish in any order: sorted)."""
-        ds = streaming.listing_dataset(table, 7, shuffle, seed, _rows_only)
+        ds = listing_dataset(table, 7, shuffle, seed, _rows_only)
         return [sorted(tuple(b["row"].tolist()) for b in run_with_timeout(
             lambda: list(ds.iter_batches(batch_size=None)))) for _ in range(count)]
 
@@ -236,7 +240,7 @@ def test_rrc_params_match_torchvision_bounds():
     rng = np.random.default_rng(0)
     for w, h in [(40, 30), (500, 20), (13, 13)]:
         for _ in range(50):
-            left, top, cw, ch = streaming.rrc_params(w, h, rng)
+            left, top, cw, ch = rrc_params(w, h, rng)
             assert 0 <= left and 0 <= top and left + cw <= w and top + ch <= h and cw and ch
 
 
@@ -250,7 +254,7 @@ def test_pack_round_trip(ray_local, folder, tmp_path):
 
     out = str(tmp_path / "packed")
     counts = run_with_timeout(pack.pack, folder, out, 20, 0.001)  # tiny shards: several files
-    listing = streaming.list_image_folder(folder)
+    listing = list_image_folder(folder)
     assert counts == listing.counts
     assert json.load(open(os.path.join(out, "classes.json"))) == listing.class_names
     files = sorted(os.listdir(os.path.join(out, "train")))
@@ -261,7 +265,7 @@ def test_pack_round_trip(ray_local, folder, tmp_path):
     root = folder.rstrip("/") + "/"
     assert packed == {p[len(root):]: y for p, y in zip(src.column("path").to_pylist(),
                                                        src.column("label").to_pylist())}
-    datasets, names, n = streaming.build_datasets("parquet", out, SIZE)
+    datasets, names, n = build_datasets("parquet", out, SIZE)
     assert names == listing.class_names and n == listing.counts
     got = run_with_timeout(rows, datasets["val"])
     assert len(got) == 7 and sorted(int(r["label"]) for r in got) == \
@@ -273,7 +277,7 @@ def test_parquet_hf_struct_column_and_missing_columns(ray_local, tmp_path, folde
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    listing = streaming.list_image_folder(folder)
+    listing = list_image_folder(folder)
     for split in ("train", "val"):
         t = listing.tables[split]
         data = [open(p, "rb").read() for p in t.column("path").to_pylist()]
@@ -287,10 +291,10 @@ def test_parquet_hf_struct_column_and_missing_columns(ray_local, tmp_path, folde
                        tmp_path / "bad" / split / "0.parquet")
     for d in ("hf", "bad"):
         (tmp_path / d / "classes.json").write_text(json.dumps(listing.class_names))
-    datasets, _, counts = streaming.build_datasets("parquet", str(tmp_path / "hf"), SIZE)
+    datasets, _, counts = build_datasets("parquet", str(tmp_path / "hf"), SIZE)
     assert len(run_with_timeout(rows, datasets["train"])) == counts["train"] == 18
     with pytest.raises(ConfigError, match="--data-dir.*columns image"):
-        streaming.build_datasets("parquet", str(tmp_path / "bad"), SIZE)
+        build_datasets("parquet", str(tmp_path / "bad"), SIZE)
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -314,14 +318,14 @@ def consume_ranks(iterators, per_rank_fn):
 
 
 def test_two_ranks_get_equal_train_step_counts(ray_local, folder):
-    datasets, _, counts = streaming.build_datasets("imagefolder", folder, SIZE, seed=3)
-    splits = streaming.data_config().configure(datasets, world_size=2, worker_handles=None,
+    datasets, _, counts = build_datasets("imagefolder", folder, SIZE, seed=3)
+    splits = data_config().configure(datasets, world_size=2, worker_handles=None,
                                                worker_node_ids=None)
     train_its = [s["train"] for s in splits]
-    expected = streaming.steps_per_epoch(counts["train"], 2, 4)
+    expected = steps_per_epoch(counts["train"], 2, 4)
 
     def two_epochs(it):
-        return [sum(1 for _ in streaming.iter_batches(it, 4, "cpu", train=True))
+        return [sum(1 for _ in iter_batches(it, 4, "cpu", train=True))
                 for _ in range(2)]
 
     steps = consume_ranks(train_its, two_epochs)
@@ -330,10 +334,10 @@ def test_two_ranks_get_equal_train_step_counts(ray_local, folder):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_eval_split_covers_every_val_image_once(ray_local, folder, world):
-    datasets, _, counts = streaming.build_datasets("imagefolder", folder, SIZE,
+    datasets, _, counts = build_datasets("imagefolder", folder, SIZE,
                                                    decode_on_worker=True)
     assert counts["val"] % world  # 7 images: no world size here divides it
-    splits = streaming.data_config().configure(datasets, world_size=world,
+    splits = data_config().configure(datasets, world_size=world,
                                                worker_handles=None, worker_node_ids=None)
 
     def keys(it):
@@ -345,11 +349,11 @@ def test_eval_split_covers_every_val_image_once(ray_local, folder, world):
 
 
 def test_worker_side_decode_matches_task_decode(ray_local, folder):
-    task = streaming.build_datasets("imagefolder", folder, SIZE, augment=False)[0]["val"]
-    worker = streaming.build_datasets("imagefolder", folder, SIZE, augment=False,
+    task = build_datasets("imagefolder", folder, SIZE, augment=False)[0]["val"]
+    worker = build_datasets("imagefolder", folder, SIZE, augment=False,
                                       decode_on_worker=True)[0]["val"]
     spec = {"size": SIZE, "train": False, "seed": 0}
-    xs, ys, _ = zip(*run_with_timeout(lambda: list(streaming.iter_batches(
+    xs, ys, _ = zip(*run_with_timeout(lambda: list(iter_batches(
         worker.iterator(), 3, "cpu", train=False, decode=spec))))
     x, y = torch.cat(xs), torch.cat(ys)
     assert x.dtype == torch.uint8 and x.shape == (7, 3, SIZE, SIZE) and y.dtype == torch.int64
@@ -361,12 +365,12 @@ def test_worker_side_decode_matches_task_decode(ray_local, folder):
 
 
 def test_check_data_cpus():
-    assert streaming.check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
+    assert check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
     with pytest.raises(ConfigError) as err:
-        streaming.check_data_cpus(2, 2, 1, data_cpus=1)
+        check_data_cpus(2, 2, 1, data_cpus=1)
     assert "\n" not in str(err.value) and "--data-cpus" in str(err.value)
     with pytest.raises(ConfigError):
-        streaming.check_data_cpus(8, 2, 1, data_cpus=1, concurrent_runs=4)
+        check_data_cpus(8, 2, 1, data_cpus=1, concurrent_runs=4)
 
 
 # ---------------------------------------------------------------------------- S3
@@ -374,16 +378,16 @@ def test_check_data_cpus():
 
 def test_s3_listing_and_reading(ray_local, folder, s3_server):
     upload_folder(folder, "images", "data")
-    listing = streaming.list_image_folder("s3://images/data")
-    local = streaming.list_image_folder(folder)
+    listing = list_image_folder("s3://images/data")
+    local = list_image_folder(folder)
     assert listing.class_names == local.class_names and listing.counts == local.counts
     assert listing.tables["train"].column("label").to_pylist() == \
         local.tables["train"].column("label").to_pylist()
-    datasets, names, counts = streaming.build_datasets("imagefolder", "s3://images/data", SIZE)
+    datasets, names, counts = build_datasets("imagefolder", "s3://images/data", SIZE)
     got = run_with_timeout(rows, datasets["val"])
     assert len(got) == counts["val"] == 7 and got[0]["image"].shape == (3, SIZE, SIZE)
     with pytest.raises(ConfigError, match="--data-dir"):
-        streaming.list_image_folder("s3://images/nothing-here")
+        list_image_folder("s3://images/nothing-here")
 
 
 # ---------------------------------------------------------------------------- real Train run
@@ -397,10 +401,10 @@ def _probe_loop(config):
     rank = ray.train.get_context().get_world_rank()
     train_it = ray.train.get_dataset_shard("train")
     val_it = ray.train.get_dataset_shard("val")
-    steps = [sum(1 for _ in streaming.iter_batches(train_it, 4, "cpu", train=True))
+    steps = [sum(1 for _ in iter_batches(train_it, 4, "cpu", train=True))
              for _ in range(2)]
     seen = torch.tensor([sum(len(y) for _, y, _ in
-                             streaming.iter_batches(val_it, 4, "cpu", train=False))])
+                             iter_batches(val_it, 4, "cpu", train=False))])
     dist.all_reduce(seen)  # once, after the pass: ranks' val counts differ
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump({"steps": steps, "val_seen": int(seen)}, f)
@@ -411,19 +415,19 @@ def test_torchtrainer_two_workers_equal_steps_exact_eval(ray_local, folder, tmp_
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    datasets, _, counts = streaming.build_datasets("imagefolder", folder, SIZE, seed=0)
-    assert streaming.check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
-    streaming.reserve_data_cpus(1)  # before the trainer copies the DataContext
+    datasets, _, counts = build_datasets("imagefolder", folder, SIZE, seed=0)
+    assert check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
+    reserve_data_cpus(1)  # before the trainer copies the DataContext
     try:
         trainer = TorchTrainer(
             _probe_loop, train_loop_config={"out": str(tmp_path)},
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            datasets=datasets, dataset_config=streaming.data_config(),
+            datasets=datasets, dataset_config=data_config(),
             run_config=RunConfig(name="probe", storage_path=str(tmp_path / "runs")))
         run_with_timeout(trainer.fit, timeout=240)
     finally:
-        streaming.reserve_data_cpus(None)
+        reserve_data_cpus(None)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    expected = streaming.steps_per_epoch(counts["train"], 2, 4)
+    expected = steps_per_epoch(counts["train"], 2, 4)
     assert [r["steps"] for r in ranks] == [[expected] * 2] * 2
     assert [r["val_seen"] for r in ranks] == [counts["val"]] * 2

@@ -5,7 +5,7 @@ starts (or restarts) a worker group, and while one trains.
     n = watch.start()        # workers to start now; None: wait (raises NoRoom past the timeout)
     n = watch.grow(current)  # elastic, at a checkpointed epoch: more workers, or None
 
-It runs inside the controller (``ray_compat.FixedClusterPolicy``/``ElasticClusterPolicy``, on a
+It runs inside the controller (``ray_compat.ClusterPolicy``, on a
 cluster that cannot grow) on the driver's node, and writes events.jsonl beside RunFiles; the
 driver's EpochPrinter prints them.
 

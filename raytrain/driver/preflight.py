@@ -125,7 +125,7 @@ def check_local_resources(cfg: TrainConfig) -> None:
 def check_streamed_data(cfg: TrainConfig) -> int:
     """Your own images: list them (cached for the run), check the batch fills and the model
     takes the size. Returns the number of classes."""
-    from raytrain.data.streaming import list_dataset
+    from raytrain.data.listing import list_dataset
     from raytrain.models import check_input_size
 
     d = cfg.data
@@ -270,7 +270,7 @@ def preflight(cfg: TrainConfig) -> Shape:
     if groups:  # nodes that join later are other hosts: a local path would be split
         check_storage_for_multinode(cfg.run.storage_path, [
             {"Alive": True, "NodeManagerAddress": "head"},
-            {"Alive": True, "NodeManagerAddress": "autoscaled"}], c.shared_storage)
+            {"Alive": True, "NodeManagerAddress": "autoscaled"}], cfg.run.shared_storage)
     patient = can_grow or isinstance(c.num_workers, tuple)
     deadline = time.monotonic() + (c.wait_timeout if patient else 0)
     requested = False
@@ -293,7 +293,7 @@ def preflight(cfg: TrainConfig) -> Shape:
               + f"; --wait-timeout {c.wait_timeout:g}s", flush=True)
         time.sleep(min(5.0, left))
     _clear_request(requested)  # the workers' placement group now holds what they need
-    check_storage_for_multinode(cfg.run.storage_path, alive, c.shared_storage)
+    check_storage_for_multinode(cfg.run.storage_path, alive, cfg.run.shared_storage)
     return Shape(use_gpu=use_gpu, one_host=len(alive) == 1 and not groups, can_grow=can_grow)
 
 
@@ -309,7 +309,7 @@ def size_data_cpus(cfg: TrainConfig, cluster_cpus: float) -> None:
     c, d = cfg.cluster, cfg.data
     if not d.streaming:
         return
-    from raytrain.data.streaming import check_data_cpus
+    from raytrain.data.pipeline import check_data_cpus
 
     runs = cfg.tune.max_concurrent_trials or 1 if cfg.tune.tune else 1
     want = d.data_cpus or 1.0

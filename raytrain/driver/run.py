@@ -7,17 +7,19 @@ result into run files, exported weights and a summary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from raytrain import checkpoint, files, ray_compat, report, storage
+from raytrain import files, ray_compat, report, storage
 from raytrain.config import FIELDS, TrainConfig
 from raytrain.driver import console, tracking
 from raytrain.driver.cluster import train_env
@@ -143,11 +145,13 @@ def latest_checkpoint_epoch(run_location: str) -> int:
     Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
     short has no state file or a truncated one: torch.save writes a zip, its directory last).
     ``run_location``: a path or a bucket URI."""
+    from raytrain.checkpoint import STATE_FILE
+
     registered = ray_compat.registered_checkpoints(run_location)
     epochs = [int(d.rsplit("_", 1)[1]) for d in storage.listdir(run_location)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
               and (registered is None or d in registered[0])
-              and storage.is_zip(storage.join(run_location, d, checkpoint.STATE_FILE))]
+              and storage.is_zip(storage.join(run_location, d, STATE_FILE))]
     return max(epochs, default=0)
 
 
@@ -181,15 +185,22 @@ def checkpoint_config(keep: int):
 
 
 def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
-                  driver_outlives_run: bool = False):
+                  driver_outlives_run: bool = False, record: str | None = None):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
-    (``ray_compat.make_trainer``)."""
+    (``ray_compat.make_trainer``). ``record``: a file where its controller notes itself
+    (``driver.placement``), so that what it leaves can be removed."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
     from raytrain.worker.ray_entry import train_loop_per_worker
 
     c = cfg.cluster
+    if callbacks is None:
+        callbacks = [_run_files_class()(cfg.run_dir, cfg.run_location)]
+        if record is not None and ray_compat.has_placement_group_table():
+            from raytrain.driver.placement import RecordPlacementGroup
+
+            callbacks.append(RecordPlacementGroup(record))
     need = {"CPU": c.worker_cpus} | ({"GPU": 1} if shape.use_gpu else {})
     # Where the workers fit after a node is lost or joins (a cluster that cannot grow; an
     # autoscaling one gets Ray's own policies, which ask its autoscaler): driver/nodes.py.
@@ -207,8 +218,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             # A finite controller limit: no failure is retried forever.
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
-            callbacks=callbacks if callbacks is not None else [
-                RunFiles(cfg.run_dir, cfg.run_location)],
+            callbacks=callbacks,
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
@@ -219,12 +229,12 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     flat = cfg.to_flat()
     if not cfg.data.streaming:
         return {"train_loop_config": flat}
-    from raytrain.data import streaming
+    from raytrain.data import pipeline
 
     d = cfg.data
     # Before the datasets are made: each keeps the DataContext of its making.
-    streaming.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
-    datasets, names, counts = streaming.build_datasets(
+    pipeline.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
+    datasets, names, counts = pipeline.build_datasets(
         d.dataset, d.data_dir, d.image_size, augment=d.augment is not False, seed=cfg.run.seed,
         decode_on_worker=d.decode == "worker")
     if os.path.isdir(cfg.run_dir):  # class names in label order, beside model.pt
@@ -232,17 +242,36 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     flat["stream"] = {"num_classes": len(names), "n_train": counts["train"],
                       "n_val": counts["val"]}
     return {"train_loop_config": flat, "datasets": datasets,
-            "dataset_config": streaming.data_config(
+            "dataset_config": pipeline.data_config(
                 functools.partial(latest_checkpoint_epoch, cfg.run_location))}
 
 
-def _run_files_base():
+def _storage_failure(*args) -> str:
+    from raytrain.checkpoint import storage_failure  # torch: imported when it is needed
+
+    return storage_failure(*args)
+
+
+def __getattr__(name: str):
+    """``RunFiles``, defined on first use: its base class imports ray.train (2 s), which a
+    driver imports beside Ray's start (``driver.cluster.connect``), not before it."""
+    if name == "RunFiles":
+        return _run_files_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _run_files_class() -> type:
     from ray.train.v2.api.callback import UserCallback
 
-    return UserCallback
+    class RunFiles(_RunFiles, UserCallback):
+        __doc__ = _RunFiles.__doc__
+
+    RunFiles.__module__, RunFiles.__qualname__ = __name__, "RunFiles"  # pickled by name
+    return RunFiles
 
 
-class RunFiles(_run_files_base()):
+class _RunFiles:
     """Train-controller callback (runs on the driver's node): writes metrics.jsonl/.csv and
     events.jsonl in the run directory after every report; a run on a bucket: in the driver's
     mirror, then uploads them to ``run_location``."""
@@ -296,7 +325,9 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
-    trainer = build_trainer(cfg, shape)
+    fd, record = tempfile.mkstemp(prefix="raytrain-controller-", suffix=".jsonl")
+    os.close(fd)
+    trainer = build_trainer(cfg, shape, record=record)
     driver = [("Ray up", connected_at), ("preflight", time.time())]
     # Both read the run directory's files on the driver while fit() blocks (driver/tracking.py
     # says why MLflow is fed from here, not from the controller's RunFiles callback).
@@ -311,6 +342,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
                 raise TrainingError(_failed(cfg, err)) from None
             finally:  # the controller is gone: nothing registers a checkpoint any more
                 prune_checkpoints(cfg.run_location)
+                remove_left_groups(record)
         if result is not None and result.error is not None:
             _upload_quietly(cfg)
             raise TrainingError(_failed(cfg, result.error))
@@ -329,7 +361,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
             try:
                 upload_run_files(cfg)
             except storage.UploadError as err:
-                raise TrainingError(checkpoint.storage_failure(
+                raise TrainingError(_storage_failure(
                     "the run trained but its files did not reach the bucket", err,
                     cfg.run.storage_path, f"{_kept(cfg)}; the files are in {cfg.run_dir}")
                 ) from None
@@ -342,11 +374,32 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
                    report.startup_phases(started_at, driver, first[0]) if first else None)
 
 
+def remove_left_groups(record: str) -> None:
+    """Remove the placement groups the run's controller left, then ``record``. A controller
+    that ends abnormally (Ctrl-C, a failure past its budget) may leave its workers' group, or
+    make one in its last moments, and Ray keeps it until the driver's job ends: for a driver
+    that goes on (a notebook, the test suite's shared cluster) its CPUs stayed held for good
+    (the cause of the suite's "session cluster's CPUs are still held"). The run is over here,
+    so any group its controller made serves nothing."""
+    try:
+        from raytrain.driver.placement import controllers_in, remove_groups
+
+        if ray_compat.has_placement_group_table():
+            remove_groups(controllers_in([record]), alive_too=True)
+    except Exception:  # noqa: BLE001 - Ray already shut down (Ctrl-C): nothing is left
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(record)
+
+
 def export_model(run_dir: str, ckpt) -> str | None:
     """model.pt: a plain state_dict of the unwrapped model, loadable without raytrain."""
     if ckpt is None:
         return None
     import torch
+
+    from raytrain import checkpoint
 
     with ckpt.as_directory() as directory:
         weights = checkpoint.model_weights(directory)
@@ -377,7 +430,7 @@ def _failed(cfg: TrainConfig, err: BaseException) -> str:
     if isinstance(cause, OSError):
         what = ("writing the run files failed" if cause.errno or isinstance(
             cause, storage.UploadError) else "writing to the run's storage failed")
-        return checkpoint.storage_failure(what, cause, cfg.run.storage_path,
+        return _storage_failure(what, cause, cfg.run.storage_path,
                                           _kept(cfg, getattr(cause, "kept", None)))
     if isinstance(cause, NoRoom):  # a node was lost and none came back in time
         return (f"{cause}; {_kept(cfg)}: rerun the same command once the cluster has room "

@@ -10,27 +10,9 @@ from __future__ import annotations
 import os
 import time
 
-from raytrain import files, ray_compat
 from raytrain.driver.console import Poller
-
-PG_FILE = "placement_groups.jsonl"
-
-
-class RecordPlacementGroup(ray_compat.worker_group_callback_base()):
-    """Train-controller callback: notes the controller (a line of ``placement_groups.jsonl``)
-    before it creates a worker group's placement group, for ``PlacementGroupReaper``."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.recorded = False
-
-    def before_worker_group_start(self, worker_group_context) -> None:
-        import ray
-
-        if not self.recorded:  # once per controller: its restarts make new groups too
-            files.append_jsonl(self.path, {"controller": ray.get_runtime_context().get_actor_id()})
-            self.recorded = True
-
+from raytrain.driver.placement import (PG_FILE, RecordPlacementGroup,  # noqa: F401
+                                       controllers_in, pending, remove_groups)
 
 class PlacementGroupReaper(Poller):
     """Driver thread: removes the placement groups a Train controller made once it is dead.
@@ -85,13 +67,12 @@ class PlacementGroupReaper(Poller):
     def controllers(self) -> set[str]:
         if not os.path.isdir(self.trials_dir):
             return set()
-        return {rec["controller"] for trial in sorted(os.listdir(self.trials_dir))
-                for rec in files.read_jsonl(os.path.join(self.trials_dir, trial, PG_FILE))}
+        return controllers_in(os.path.join(self.trials_dir, trial, PG_FILE)
+                              for trial in sorted(os.listdir(self.trials_dir)))
 
     def pending(self) -> list[str]:
         """The placement groups of this search's controllers that are not removed yet."""
-        mine = self.controllers()
-        return [pg for pg, creator, _ in ray_compat.live_placement_groups() if creator in mine]
+        return pending(self.controllers())
 
     def poll(self) -> None:
         try:
@@ -102,11 +83,5 @@ class PlacementGroupReaper(Poller):
     def sweep(self, alive_too: bool = False) -> int:
         """Remove every placement group a dead controller of this search made (``alive_too``:
         a live one's as well); returns how many."""
-        mine = self.controllers()
-        removed = 0
-        for pg, creator, creator_dead in ray_compat.live_placement_groups():
-            if creator in mine and (creator_dead or alive_too):
-                ray_compat.remove_placement_group(pg)
-                removed += 1
-        return removed
+        return remove_groups(self.controllers(), alive_too)
 

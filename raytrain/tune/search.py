@@ -217,6 +217,8 @@ def tune_config(cfg: TrainConfig, concurrent: int):
     return tune.TuneConfig(scheduler=scheduler(cfg),
                            search_alg=search, num_samples=t.num_samples,
                            max_concurrent_trials=concurrent if t.search == "optuna" else None,
+                           # Ray 2.60 cannot reuse a function trial's process: "Trainable
+                           # runner reuse requires reset_config()" failed trials when tried.
                            reuse_actors=False,
                            trial_dirname_creator=_tune_dirname)
 

@@ -1,2 +1,2 @@
-"""Worker side: what runs on every Ray Train worker (or under torchrun). Never imports driver,
-Tune or CLI code (``local`` alone takes the CLI's parser, for its own flags)."""
+"""Worker side: what runs on every Ray Train worker (or under torchrun, through the face
+``raytrain.loop``). Never imports driver, Tune or CLI code."""

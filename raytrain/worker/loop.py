@@ -1,9 +1,9 @@
 """The per-worker training loop: torch only, no Ray. It reads top to bottom.
 
 ``raytrain.worker.ray_entry.train_loop_per_worker`` (what Ray Train calls) reads the rank once
-and hands everything to ``run_worker``; under ``torchrun`` or in one plain process
-(``raytrain.worker.local``, ``python -m raytrain.loop --help``) the very same step runs, so a
-GPU can be timed without Ray.
+and hands everything to ``run_worker``; under ``torchrun`` or in one plain process (the face
+``raytrain/loop.py``: ``python -m raytrain.loop --help``) the very same step runs, so a GPU can
+be timed without Ray.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
                resume: dict[str, Any] | None = None, source=None) -> None:
     """Train ``cfg`` on this worker's shards; report every epoch (all workers must call).
 
-    ``source``: where batches come from (``raytrain.data.streaming.Streamed`` for streamed
+    ``source``: where batches come from (``raytrain.data.sources.Streamed`` for streamed
     images, given by the Ray entry point); default: the built-in dataset, whole in memory."""
     device, o = worker.device, cfg.optim
     startup = {"process": process_started_at(), "loop": time.time()}  # -> time to first step
@@ -92,9 +92,11 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         step += steps
         # The average is evaluated beside the raw weights, in the same pass over the test split
         # (streamed: one decode of the val images per epoch, not two).
+        eval_start = time.perf_counter()
         test = evaluate(model, source, aug, amp_dtype, worker, batch,
                         also=[ema.module] if ema is not None else ())
         metrics = epoch_metrics(epoch, train, test, optimizer, cfg.data.skip_bad_images)
+        metrics["eval_s"] = time.perf_counter() - eval_start
         if ema is not None:
             ema_test = test["also"][0]
             metrics.update(test_loss_ema=ema_test[0] / max(ema_test[2], 1),
@@ -221,7 +223,7 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
     # gradient all-reduce would absorb the skew into this epoch's clock (up to ~10% of a
     # 0.5 s epoch here). Waiting for each other first keeps images_per_s a training figure.
     all_reduce(torch.zeros(1, device=device))
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     batches = iter(source.train_batches(epoch, worker.rank, worker.world, cfg.run.seed, steps,
                                         batch))
     wait = 0.0
@@ -274,6 +276,7 @@ def train_epoch(ddp: nn.Module, source, aug: Augment, optimizer, scheduler, scal
     return {"sums": sums.tolist(), "seconds": seconds, "steps": steps, "world": worker.world,
             "first_bad_step": first if first <= steps else None, "first_step_at": first_step_at,
             "first_batch_s": first_batch_s, "bad_image": bad_stop, "rss_mb": rss[0].item(),
+            "started_at": started_at,
             "rss_growth_mb": rss[1].item()}
 
 
@@ -444,6 +447,9 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: dict[str, Any], optim
         "lr": optimizer.param_groups[0]["lr"],
         "images_per_s": n / max(train["seconds"], 1e-9),
         "epoch_s": train["seconds"],
+        # when this rank's epoch began: the gap to the next one, less epoch_s, is what an
+        # epoch costs besides training (evaluation, checkpoint, report)
+        "started_at": train["started_at"],
         "test_count": int(t_n),
         "train_count": int(n),
         "workers": train["world"],  # the world size that trained it (elastic runs vary)

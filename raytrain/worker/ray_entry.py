@@ -53,7 +53,7 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
 
     source = None
     if stream is not None:  # every rank asks for its shards (a barrier in Ray Train)
-        from raytrain.data.streaming import Streamed
+        from raytrain.data.sources import Streamed
 
         source = Streamed(ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
                           stream["num_classes"], stream["n_train"], stream["n_val"],
