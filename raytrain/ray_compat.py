@@ -365,7 +365,7 @@ def _trainer_classes() -> dict[str, type] | None:
         def make_decision_for_non_running_worker_group(self):
             return self._decide(self.watch.start())
 
-        def make_decision_for_running_worker_group(self, worker_group_state, status):
+        def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
             return self._decide(self.watch.grow(worker_group_state.num_workers))
 
     class Trainer(TorchTrainer):

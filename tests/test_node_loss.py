@@ -21,7 +21,7 @@ import pytest
 from raytrain import files, storage
 from raytrain.driver.run import latest_checkpoint_epoch
 from raytrain.tune.results import read_results
-from tests.helpers import LocalCluster, metrics, wait_for_epoch, wait_until
+from tests.helpers import LocalCluster, metrics, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,23 @@ def _finish(proc, lines, timeout: float = 400) -> str:
     return "\n".join(lines)
 
 
+def _until(condition, proc, lines: list[str], what: str, timeout: float = 180) -> None:
+    """Wait for ``condition``; the run ending first fails with its output (the reader thread
+    has it, not proc.stdout)."""
+    def check():
+        assert condition() or proc.poll() is None, "\n".join(lines)
+        return condition()
+    wait_until(check, timeout, what, interval=0.2)
+
+
 def _seen(lines: list[str], text: str, proc, timeout: float = 180) -> None:
-    wait_until(lambda: any(text in line for line in list(lines)), timeout,
-               f"{text!r} on the console", interval=0.2)
-    assert proc.poll() is None or any(text in line for line in lines)
+    _until(lambda: any(text in line for line in list(lines)), proc, lines,
+           f"{text!r} on the console", timeout)
+
+
+def _epoch(run_dir, epoch: int, proc, lines: list[str]) -> None:
+    _until(lambda: any(r["epoch"] >= epoch for r in metrics(run_dir)), proc, lines,
+           f"epoch {epoch} recorded", timeout=240)
 
 
 def _events(run_dir, kind: str) -> list[dict]:
@@ -77,7 +90,7 @@ def test_elastic_run_loses_a_node_goes_on_alone_then_grows_back(cluster):
     run = cluster.base / "runs" / "elastic"
     proc, lines = _start(cluster, "--num-workers", "1:2", "--epochs", "8",
                          "--storage-path", str(run.parent), "--name", "elastic")
-    wait_for_epoch(run, 2, proc)
+    _epoch(run, 2, proc, lines)
     assert metrics(run)[0]["workers"] == 2
     cluster.kill_node(node)
     # The run goes on with the head's one worker; a node joins while it restarts, and the
@@ -136,7 +149,7 @@ def test_fixed_run_stops_in_one_line_when_no_node_comes_back(cluster):
     run = cluster.base / "runs" / "alone"
     proc, lines = _start(cluster, "--num-workers", "2", "--epochs", "4", "--wait-timeout", "3",
                          "--storage-path", str(run.parent), "--name", "alone")
-    wait_for_epoch(run, 1, proc)
+    _epoch(run, 1, proc, lines)
     cluster.kill_node(node)
     out = _finish(proc, lines, timeout=240)
     assert proc.returncode == 1, out
@@ -164,7 +177,7 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
             [r["epoch"] for r in metrics(t)], default=0) < 5] if trials.is_dir() else []
 
     # Two trials at once hold a CPU each: one of them trains on the second node.
-    wait_until(lambda: len(training()) == 2, 300, "two trials training", proc)
+    _until(lambda: len(training()) == 2, proc, lines, "two trials training", timeout=300)
     cluster.kill_node(node)
     out = _finish(proc, lines)
     assert proc.returncode == 0, out  # the search completed
