@@ -74,8 +74,10 @@ class ClusterConfig:
     max_failures: int = _opt(3, "worker-group restarts from the latest checkpoint before failing")
     keep_cluster: bool = _opt(False, "with no --address: start the local cluster with `ray "
                               "start --head` so it and its dashboard outlive the run")
-    wait_timeout: float = _opt(60.0, "seconds to wait for an autoscaling cluster (or MIN "
-                               "elastic workers) to be placed before failing")
+    wait_timeout: float = _opt(60.0, "seconds to wait for room for the workers before "
+                               "failing: at the start for an autoscaling cluster (or MIN "
+                               "elastic workers), and after a node is lost for it to come "
+                               "back or another to join (the checkpoints are kept)")
 
     def __post_init__(self) -> None:
         self.num_workers = parse_num_workers(self.num_workers)

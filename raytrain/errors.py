@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -35,6 +36,12 @@ class Interrupted(TrainingError):
     """Ctrl-C stopped the run (exit code 130); the checkpoints so far are kept."""
 
 
+class NoRoom(TrainingError):
+    """Raised in the Train controller (driver/nodes.py): after a node was lost the cluster
+    had no room for the workers within --wait-timeout. Pickled back to the driver as the
+    controller's failure, which words the one line the user sees."""
+
+
 def exit_code(err: RaytrainError) -> int:
     if isinstance(err, Interrupted):
         return EXIT_INTERRUPTED
@@ -43,7 +50,14 @@ def exit_code(err: RaytrainError) -> int:
 
 def short(err: BaseException) -> str:
     """The gist of a (Ray) error in one short line: its last line, first sentence."""
-    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()]
+    text = str(err)
+    # The GCS's words for an actor (a Tune trial, a Train worker) on a node that died
+    # (gcs_server, Ray 2.60): "The actor died because its node has died. Node Id: <hex>"
+    lost = re.search(r"because its node has died\. Node Id: ([0-9a-f]+)", text)
+    if lost:
+        ip = re.search(r"^\s*ip: (\S+)", text, re.M)
+        return f"its node was lost ({ip.group(1) + ', ' if ip else ''}node {lost.group(1)[:12]})"
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     if not lines:
         return type(err).__name__
     last = lines[-1]

@@ -288,13 +288,14 @@ def cluster_config():
 #   the trainer has no datasets;
 # - PlacementGroupCleanerCallback's detached cleaner: dropped where the driver exits right
 #   after the controller (a plain run; Ray frees a finished job's groups), kept in Tune trials;
-# - FixedScalingPolicy's resource requests to Ray Data's autoscaling coordinator (whose actor
-#   it starts): dropped where preflight found no autoscaling node types.
-# Uses the private TorchTrainer._create_default_callbacks / _initialize_and_run_controller and
-# the internal classes above. Missing: Ray's own TorchTrainer runs unchanged (nothing
-# dropped: a few seconds more to the first step).
+# - the scaling policies' requests to Ray Data's autoscaling coordinator (whose actor they
+#   start) where preflight found no autoscaling node types: driver/nodes.NodeWatch sizes the
+#   worker groups there instead. Uses the private TorchTrainer._create_default_callbacks /
+# _initialize_and_run_controller and the internal classes above. Missing: Ray's own
+# TorchTrainer runs unchanged (a few seconds more to the first step; a lost node costs Ray's
+# 60 s start timeouts, see driver/nodes.py).
 TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
-                     "ray.train.v2._internal callbacks and FixedScalingPolicy")
+                     "ray.train.v2._internal callbacks, FixedScalingPolicy, Noop/ResizeDecision")
 _CALLBACKS = "ray.train.v2._internal.callbacks"
 
 
@@ -303,16 +304,16 @@ def _trainer_internals():
 
     found = (_internal(f"{_CALLBACKS}.datasets", "DatasetsCallback"),
              _internal(f"{_CALLBACKS}.placement_group_callback", "PlacementGroupCleanerCallback"),
-             _internal("ray.train.v2._internal.execution.scaling_policy", "FixedScalingPolicy"))
+             *(_internal("ray.train.v2._internal.execution.scaling_policy", n) for n in (
+                 "FixedScalingPolicy", "NoopDecision", "ResizeDecision")))
     if None in found or not all(hasattr(TorchTrainer, m) for m in (
             "_create_default_callbacks", "_initialize_and_run_controller")):
         return None
     return found
 
 
-def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
-    """``TorchTrainer(*args, **kwargs)``, less the actors above. ``fixed_cluster``: the cluster
-    cannot grow; ``driver_outlives_run``: keep the placement-group cleaner (Tune trials)."""
+def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=None, **kwargs):
+    """``TorchTrainer(*args, **kwargs)`` less the actors above; ``watch`` sizes its groups."""
     classes = _trainer_classes()
     if classes is None:
         from ray.train.torch import TorchTrainer
@@ -320,44 +321,43 @@ def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs
         warn_once(TRAINER_INTERNALS, FALLBACKS[TRAINER_INTERNALS][1])
         return TorchTrainer(*args, **kwargs)
     return classes["Trainer"](*args, fixed_cluster=fixed_cluster,
-                              driver_outlives_run=driver_outlives_run, **kwargs)
+                              driver_outlives_run=driver_outlives_run, watch=watch, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
 def _trainer_classes() -> dict[str, type] | None:
-    """``Trainer`` and ``FixedClusterPolicy``, defined once this Ray is known to have what they
+    """``Trainer`` and the two policies, defined once this Ray is known to have what they
     override; importable as ``raytrain.ray_compat.<name>`` (the controller unpickles them)."""
     found = _trainer_internals()
     if found is None:
         return None
     from ray.train.torch import TorchTrainer
 
-    datasets_cb, cleaner_cb, fixed_policy = found
+    datasets_cb, cleaner_cb, fixed_policy, noop, resize = found
 
-    class FixedClusterPolicy(fixed_policy):
-        """Ray's fixed scaling policy, minus its resource requests to the autoscaling
-        coordinator (whose actor it would start): a cluster that cannot grow has nobody to
-        answer them."""
+    class ClusterPolicy(fixed_policy):
+        """Fixed or elastic on a cluster that cannot grow, sized by ``self.watch``."""
 
-        def after_controller_start(self, train_run_context) -> None:
-            pass
+        after_controller_start = _maybe_send_resource_request = _send_resource_request = \
+            _cancel_resource_request = lambda self, *args: None  # no coordinator to ask
 
-        def _maybe_send_resource_request(self) -> None:
-            pass
+        def _decide(self, n: int | None):
+            per = self.scaling_config._resources_per_worker_not_none
+            return noop() if n is None else resize(num_workers=n, resources_per_worker=per)
 
-        def _send_resource_request(self) -> None:
-            pass
+        def make_decision_for_non_running_worker_group(self):
+            return self._decide(self.watch.start())
 
-        def _cancel_resource_request(self) -> None:
-            pass
+        def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
+            return self._decide(self.watch.grow(worker_group_state.num_workers))
 
     class Trainer(TorchTrainer):
         """``TorchTrainer`` without the actors above."""
 
-        def __init__(self, *args, fixed_cluster: bool, driver_outlives_run: bool, **kwargs):
+        def __init__(self, *args, fixed_cluster, driver_outlives_run, watch=None, **kwargs):
             super().__init__(*args, **kwargs)
-            self.fixed_cluster = fixed_cluster
             self.driver_outlives_run = driver_outlives_run
+            self.watch = watch if fixed_cluster else None  # None: Ray's own scaling policies
 
         def _create_default_callbacks(self):
             drop: tuple[type, ...] = () if self.datasets else (datasets_cb,)
@@ -367,20 +367,20 @@ def _trainer_classes() -> dict[str, type] | None:
                     if not isinstance(cb, drop)]
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
-            if self.fixed_cluster and type(controller_init_kwargs.get("scaling_policy")) is \
-                    fixed_policy:
-                controller_init_kwargs["scaling_policy"] = FixedClusterPolicy(
+            if self.watch is not None:  # in place of Ray's fixed or elastic one
+                policy = controller_init_kwargs["scaling_policy"] = ClusterPolicy(
                     self.scaling_config)
+                policy.watch = self.watch
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
-    classes = {"Trainer": Trainer, "FixedClusterPolicy": FixedClusterPolicy}
+    classes = {"Trainer": Trainer, "ClusterPolicy": ClusterPolicy}
     for name, cls in classes.items():
         cls.__module__, cls.__qualname__ = __name__, name
     return classes
 
 
-def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .FixedClusterPolicy
-    classes = _trainer_classes() if name in ("Trainer", "FixedClusterPolicy") else None
+def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPolicy
+    classes = _trainer_classes() if name in ("Trainer", "ClusterPolicy") else None
     if classes is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return classes[name]

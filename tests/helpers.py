@@ -210,6 +210,42 @@ print("PROBE " + json.dumps({"nodes": ray.nodes(), "workers": [
 """
 
 
+# `ray start` records its cluster's address in <temp dir>/ray_current_cluster (Ray 2.60
+# _common/utils.get_ray_address_file; /tmp/ray without --temp-dir). A bare ray.init() and
+# Ray's own processes (the State API) connect to whatever /tmp/ray's copy names, so a test
+# must leave that file as it found it (DESIGN.md). LocalCluster passes --temp-dir, so its
+# copy is written under its own directory; AddressFileGuard checks /tmp/ray's is untouched.
+DEFAULT_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+class AddressFileGuard:
+    """What /tmp/ray/ray_current_cluster held (its text, or None: absent) when made;
+    ``restore`` puts it back only where our cluster's address replaced it:
+    another agent's cluster may rewrite it meanwhile, and that is theirs to keep."""
+
+    def __init__(self, path: Path = DEFAULT_ADDRESS_FILE):
+        self.path = path
+        self.before = self._read()
+
+    def _read(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except FileNotFoundError:
+            return None
+
+    def restore(self, port: int) -> bool:
+        """Put the file back as it was if it now names a cluster at ``port`` (ours: the port
+        is free on this machine only while our head is not); True if it did."""
+        now = self._read()
+        if now == self.before or (now or "").strip().rpartition(":")[2] != str(port):
+            return False
+        if self.before is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            self.path.write_text(self.before)
+        return True
+
+
 class LocalCluster:
     """Ray nodes started here with `ray start`, each in a process session of its own."""
 
@@ -231,6 +267,8 @@ class LocalCluster:
         self.port, self.dashboard_port = free_port(""), free_port("")
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.node_ports: dict[int, int] = {}  # session id -> the node's raylet port
+        self.address_file = AddressFileGuard()
 
     def start_head(self) -> int:
         return self._start(self.head_argv, self.head_env, port=self.port,
@@ -239,7 +277,42 @@ class LocalCluster:
 
     def add_node(self, **flags) -> int:
         """Start one more node joining the head; returns its session id (see stop_session)."""
-        return self._start(self.node_argv, self.node_env, address=self.address, **flags)
+        port = flags.setdefault("node_manager_port", free_port(""))
+        session = self._start(self.node_argv, self.node_env, address=self.address, **flags)
+        self.node_ports[session] = port
+        return session
+
+    def node_id(self, session: int) -> str:
+        """The Ray node id of the node ``add_node`` started in ``session`` (by its raylet port)."""
+        port = self.node_ports[session]
+        return next(n["NodeID"] for n in self.probe()["nodes"]
+                    if n["Alive"] and n["NodeManagerPort"] == port)
+
+    def running(self, session: int) -> bool:
+        """Whether any process of ``session`` (a node ``add_node`` started) still runs."""
+        return bool(self._session_processes(session))
+
+    def _session_processes(self, session: int) -> list[psutil.Process]:
+        found = []
+        for p in self._ours({session}):
+            try:
+                if os.getsid(p.pid) == session:
+                    found.append(p)
+            except OSError:  # gone meanwhile
+                continue
+        return found
+
+    def kill_node(self, session: int) -> list[psutil.Process]:
+        """SIGKILL every process of the node started in ``session`` at once (its raylet, agents
+        and the workers it started), as a reclaimed instance loses them; returns them, gone."""
+        victims = self._session_processes(session)
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(victims, timeout=10)
+        return victims
 
     def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
         flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
@@ -285,3 +358,5 @@ class LocalCluster:
     def stop(self) -> None:
         end_processes(self._ours(set(self.sessions)))
         shutil.rmtree(self.base, ignore_errors=True)
+        restored = self.address_file.restore(self.port)
+        assert not restored, f"{DEFAULT_ADDRESS_FILE} named this test's cluster (now put back)"

@@ -17,6 +17,7 @@ import yaml
 
 from raytrain import files
 from raytrain.config import TrainConfig
+from raytrain.driver import nodes
 from raytrain.files import EVENTS_FILE
 from raytrain.report import accuracy_lines, epoch_line, read_metrics, summary_table
 
@@ -139,6 +140,8 @@ class EpochPrinter(Poller):
             elif event["event"] == "worker_failure":
                 print(f"worker failure: {event['error']}", file=self.out, flush=True)
                 self.failed = True
+            elif nodes.event_line(event) is not None:  # nodes lost/joined, waits, restarts
+                print(nodes.event_line(event), file=self.out, flush=True)
         self.events = len(events)
         for m in rows:
             if _row_key(m) in self.seen:

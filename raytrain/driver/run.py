@@ -23,8 +23,9 @@ from raytrain import files, ray_compat, report, storage
 from raytrain.config import FIELDS, TrainConfig
 from raytrain.driver import console, tracking
 from raytrain.driver.cluster import train_env
+from raytrain.driver.nodes import NodeWatch
 from raytrain.driver.preflight import Shape, check_storage_writable, preflight
-from raytrain.errors import Interrupted, RaytrainError, TrainingError, short
+from raytrain.errors import Interrupted, NoRoom, RaytrainError, TrainingError, short
 
 # Settings that do not change what is trained: a run may be resumed with other values.
 NOT_TRAINING = {"address", "verbose", "keep_cluster", "shared_storage", "compile", "max_failures",
@@ -200,13 +201,17 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             from raytrain.driver.placement import RecordPlacementGroup
 
             callbacks.append(RecordPlacementGroup(record))
+    need = {"CPU": c.worker_cpus} | ({"GPU": 1} if shape.use_gpu else {})
+    # Where the workers fit after a node is lost or joins (a cluster that cannot grow; an
+    # autoscaling one gets Ray's own policies, which ask its autoscaler): driver/nodes.py.
+    watch = NodeWatch(cfg.run_dir, need, c.min_workers, c.max_workers, c.wait_timeout,
+                      cfg.run.checkpoint_every)
     return ray_compat.make_trainer(
         train_loop_per_worker,
-        fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run,
+        fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run, watch=watch,
         **streaming_inputs(cfg),
         scaling_config=ScalingConfig(num_workers=c.num_workers, use_gpu=shape.use_gpu,
-                                     resources_per_worker={"CPU": c.worker_cpus}
-                                     | ({"GPU": 1} if shape.use_gpu else {})),
+                                     resources_per_worker=need),
         run_config=RunConfig(
             name=cfg.run.name, storage_path=cfg.run.storage_path,
             checkpoint_config=checkpoint_config(cfg.run.keep_checkpoints),
@@ -427,6 +432,9 @@ def _failed(cfg: TrainConfig, err: BaseException) -> str:
             cause, storage.UploadError) else "writing to the run's storage failed")
         return _storage_failure(what, cause, cfg.run.storage_path,
                                           _kept(cfg, getattr(cause, "kept", None)))
+    if isinstance(cause, NoRoom):  # a node was lost and none came back in time
+        return (f"{cause}; {_kept(cfg)}: rerun the same command once the cluster has room "
+                "(or pass --num-workers MIN:MAX to go on with fewer workers)")
     restarts = sum(1 for e in files.read_jsonl(os.path.join(cfg.run_dir, "events.jsonl"))
                    if e["event"] == "worker_failure")
     return (f"training failed ({short(err)}; {restarts} worker failure(s), --max-failures "

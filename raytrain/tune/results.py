@@ -116,7 +116,8 @@ def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, An
     error = ""
     if rows and "error" in rows[-1]:  # the loop's NaN stop
         status, error = "failed", rows[-1]["error"]
-    elif tune_status == "ERROR":
+    elif tune_status == "ERROR" or (tune_status in ("RUNNING", "PENDING") and failed_events(
+            trial_dir)):  # Tune never finishes stopping a trial whose node was lost
         status, error = "failed", trial_error(trial.trial_id, cfg.run_dir, result.error)
     elif rows and rows[-1]["epoch"] >= cfg.optim.epochs:
         status = "completed"
@@ -141,11 +142,16 @@ def trial_row(cfg: TrainConfig, trial, result, tune_status: str) -> dict[str, An
     }
 
 
+def failed_events(trial_dir: str) -> list[str]:
+    """The reasons recorded by ``search.Progress`` each time Tune marked the trial failed."""
+    return [e["error"] for e in files.read_jsonl(os.path.join(trial_dir, EVENTS_FILE))
+            if e["event"] == "trial_failed"]
+
+
 def trial_error(trial_id: str, exp_dir: str | None, err: BaseException | None = None) -> str:
     """The one-line reason a trial failed: what the trial recorded, else Ray's error."""
     if exp_dir is not None:
-        events = files.read_jsonl(os.path.join(exp_dir, "trials", trial_id, EVENTS_FILE))
-        failed = [e["error"] for e in events if e["event"] == "trial_failed"]
+        failed = failed_events(os.path.join(exp_dir, "trials", trial_id))
         if failed:
             return failed[-1]
     if err is None:

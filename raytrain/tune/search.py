@@ -47,7 +47,7 @@ import yaml
 
 from raytrain import files, ray_compat, report, storage
 from raytrain.config import TrainConfig, check_search
-from raytrain.driver import preflight
+from raytrain.driver import nodes, preflight
 from raytrain.driver.tracking import SearchTracker
 from raytrain.driver.run import NOT_TRAINING
 from raytrain.errors import Interrupted, RaytrainError, TrainingError
@@ -274,6 +274,18 @@ def describe(cfg: TrainConfig, concurrent: int) -> str:
             f"{cfg.optim.epochs} epochs max")
 
 
+def _local_error(trial):
+    """The error Tune has just written beside the trial on the driver (its copy in storage,
+    which get_pickled_error reads, is synced later): the exception, or None."""
+    path = getattr(trial, "pickled_error_file", None)
+    if not path or not os.path.exists(path):
+        return None
+    import cloudpickle
+
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+
 def _tune_dirname(trial) -> str:
     return f"tune-{trial.trial_id}"
 
@@ -309,10 +321,12 @@ class Progress(_progress_base()):
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         """Only a trial Tune marks ERROR failed: its reason goes into its events.jsonl."""
         try:
-            err = trial.get_pickled_error() or trial.get_error()
+            err = trial.get_pickled_error() or trial.get_error() or _local_error(trial)
         except Exception:  # noqa: BLE001 - no error file: Ray's short reason stands
             err = None
-        reason = trial_error(trial.trial_id, None, err)
+        # A trial whose actor was on a lost node: Ray says "actor unavailable" (the GCS has
+        # not marked the node dead yet); name the node instead.
+        reason = nodes.lost_actor_node(err) or trial_error(trial.trial_id, None, err)
         try:
             self.record_failure(trial.trial_id, reason)
         except OSError:  # a full disk, a failing bucket: the line below still says it

@@ -453,6 +453,7 @@ def epoch_metrics(epoch: int, train: dict[str, Any], test: dict[str, Any], optim
         "started_at": train["started_at"],
         "test_count": int(t_n),
         "train_count": int(n),
+        "workers": train["world"],  # the world size that trained it (elastic runs vary)
         # the share of the epoch the ranks spent waiting for their next batch (mean over ranks)
         "data_wait": wait / train["world"] / max(train["seconds"], 1e-9),
         "worker_rss_mb": train["rss_mb"],  # the largest worker's peak resident memory so far
