@@ -68,7 +68,7 @@ def _loop(capsys, *argv: str) -> list[dict]:
 def adamw_run(ray_cluster, tmp_path_factory):
     storage = tmp_path_factory.mktemp("flags")
     rc, out, _ = _fit("--num-workers", "2", "--dataset", "digits", "--epochs", "2",
-                      "--optimizer", "adamw", "--lr", "0.003", "--lr-schedule", "cosine",
+                      "--batch-size", "128", "--optimizer", "adamw", "--lr", "0.003", "--lr-schedule", "cosine",
                       "--precision", "bf16", "--momentum", "0.8", "--weight-decay", "0.01",
                       "--log-every", "5", "--keep-checkpoints", "1",
                       "--storage-path", str(storage), "--name", "adamw")

@@ -14,6 +14,7 @@ import torchvision
 import yaml
 
 from raytrain import fit
+from raytrain.config import DATASET_DEFAULTS
 from raytrain.models import SeedCNN
 from tests.helpers import metrics, write_tiny_cifar
 
@@ -41,8 +42,9 @@ def test_digits_is_learned_with_two_workers(digits_run):
     assert digits_run.rc == 0
     run_dir = digits_run.run_dir
     rows = metrics(run_dir)
-    assert [r["epoch"] for r in rows] == list(range(1, 31))
-    assert rows[-1]["test_acc"] >= 0.95  # chance is 0.10
+    assert [r["epoch"] for r in rows] == list(range(1, DATASET_DEFAULTS["digits"]["epochs"] + 1))
+    # chance is 0.10; the defaults gave 1.0000 / 0.9972 / 0.9972 on seeds 0 / 1 / 2
+    assert rows[-1]["test_acc"] >= 0.95
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] / 5
     for r in rows:  # every test sample evaluated once, every train sample trained once
         assert r["test_count"] == 360 and r["train_count"] == 1437
