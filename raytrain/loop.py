@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run_worker(cfg, worker, report)
+        if dist.is_initialized():  # a rank leaving while another still talks: gloo aborted
+            dist.barrier()         # one (SIGABRT, "terminate called", 1 of 3 digits runs)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
