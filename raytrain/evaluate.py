@@ -28,7 +28,7 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
     from raytrain import checkpoint
     from raytrain.data import Augment, InMemory, load_dataset
     from raytrain.worker.loop import Worker, evaluate
-    from raytrain.models import build_model
+    from raytrain.models import build_model, load_weights
 
     path = weights_file(path)
     weights = weights if weights is not None else checkpoint.model_weights(path)
@@ -45,12 +45,7 @@ def evaluate_path(path: str, model_name: str, dataset: str, data_dir: str | None
         image_size = 32
         data = InMemory(load_dataset(dataset, data_dir).to(device))
     model = build_model(model_name, data.num_classes, stem=stem, image_size=image_size)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as err:
-        first = str(err).strip().splitlines()
-        raise RaytrainError(f"{path}: weights do not fit --model {model_name} on {dataset} "
-                            f"({first[1].strip() if len(first) > 1 else first[0]})") from None
+    load_weights(model, weights, f"{path}: weights do not fit --model {model_name} on {dataset}")
     model.to(device)
     aug = Augment(*data.normalization(normalize), device)
     result = evaluate(model, data, aug, None, Worker(0, 0, 1, device), 256)

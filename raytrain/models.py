@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raytrain import files
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, RaytrainError
 from raytrain.model_names import check_model_name
 
 
@@ -106,6 +106,17 @@ def apply_stem(model: nn.Module, stem: str, image_size: int) -> None:
     if stem == "cifar" or (stem == "auto" and image_size <= 64):
         model.conv1.stride = (1, 1)
         model.maxpool = nn.Identity()
+
+
+def load_weights(model: nn.Module, weights: dict, what: str) -> None:
+    """``model.load_state_dict(weights)``; a mismatch is one RaytrainError naming ``what``
+    (e.g. "PATH: weights do not fit --model NAME") and Torch's first specific line."""
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as err:
+        lines = str(err).strip().splitlines()
+        raise RaytrainError(f"{what} ({lines[1].strip() if len(lines) > 1 else lines[0]})"
+                            ) from None
 
 
 def build_model(name: str, num_classes: int, pretrained: str | None = None,

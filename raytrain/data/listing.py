@@ -220,11 +220,20 @@ def read_class_names(data_dir: str) -> list[str]:
     except Exception as err:
         raise ConfigError("data_dir", data_dir, "a Parquet dataset with classes.json (a JSON list "
                           f"of class names in label order): {type(err).__name__}") from None
+    names = class_list(names)
+    if names is None:
+        raise ConfigError("data_dir", data_dir, "classes.json holding a non-empty JSON list of "
+                          "class names")
+    return names
+
+
+def class_list(names) -> list[str] | None:
+    """A classes.json's parsed content (a list of names in label order, or
+    ``{"classes": [...]}``) as that list; None when it is not one."""
     if isinstance(names, dict):
         names = names.get("classes")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise ConfigError("data_dir", data_dir, "classes.json holding a non-empty JSON list of "
-                          "class names")
+        return None
     return names
 
 

@@ -101,16 +101,11 @@ def head_outputs(name: str, weights: dict, path: str) -> int:
 def check_loads(spec: ModelSpec, weights: dict) -> None:
     """Load the weights into the network once here: a mismatch is one line, not N actors'
     tracebacks. Also the network must take the image size."""
-    from raytrain.models import build_model, check_input_size
+    from raytrain.models import build_model, check_input_size, load_weights
 
     check_input_size(spec.model, spec.num_classes, spec.stem, spec.image_size)
     net = build_model(spec.model, spec.num_classes, stem=spec.stem, image_size=spec.image_size)
-    try:
-        net.load_state_dict(weights)
-    except RuntimeError as err:
-        lines = str(err).strip().splitlines()
-        raise RaytrainError(f"{spec.source}: weights do not fit --model {spec.model} "
-                            f"({lines[1].strip() if len(lines) > 1 else lines[0]})") from None
+    load_weights(net, weights, f"{spec.source}: weights do not fit --model {spec.model}")
 
 
 def normalization(dataset: str | None, how: str):
@@ -133,13 +128,13 @@ def normalization(dataset: str | None, how: str):
 
 
 def parse_classes(text: str, where: str) -> list[str]:
+    from raytrain.data.listing import class_list
+
     try:
-        names = json.loads(text)
+        names = class_list(json.loads(text))
     except ValueError:
         names = None
-    if isinstance(names, dict):
-        names = names.get("classes")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+    if names is None:
         raise ConfigError("classes", where, "a JSON file holding a list of class names in "
                           'label order (["cat", "dog"])')
     return names
