@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_summary(done)
                 return EXIT_OK
         summary = run(cfg, run_search, started_at, resume=getattr(args, "resume", False),
-                      fresh=getattr(args, "fresh", False))
+                      fresh=getattr(args, "fresh", False), imports=imports)
     except RaytrainError as err:
         if debug:
             raise
@@ -60,13 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
-def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
-    """Connect (or start) the cluster, run ``run_fn``, stop a cluster raytrain started."""
+def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool, imports=None):
+    """Connect (or start) the cluster, check Ray's internals, run ``run_fn``, stop a cluster
+    raytrain started. ``imports``: the thread importing torch & co., joined before the check
+    imports Ray Train (two threads importing Ray's modules could deadlock)."""
+    from raytrain import ray_compat
     from raytrain.driver import cluster
 
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
                                       cfg.cluster.keep_cluster)
     try:
+        if imports is not None:
+            imports.join()
+        ray_compat.check()  # after Ray's start: its torch import overlapped that start
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
         cluster.disconnect(started_cluster)

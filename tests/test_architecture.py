@@ -376,3 +376,8 @@ def test_checkpoint_snapshot_fallback_counts_every_complete_checkpoint(missing, 
         prune_checkpoints(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_epoch_0001", "checkpoint_epoch_0002"]
     assert len(_compat_warnings(record)) == 1
+
+
+def test_setup_hook_fallback_is_no_env_var(missing):
+    missing("ray._private.ray_constants")
+    assert ray_compat.setup_hook_env("raytrain.worker.warm.start") == {}

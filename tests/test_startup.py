@@ -49,3 +49,41 @@ def test_a_new_cluster_and_every_process_it_starts_know_its_address():
     # the GCS port is read once, at start: a cluster the driver's child starts must not take it
     assert out["driver_port"] is None
     assert out["restored"]  # the driver's environment as it was before the cluster
+
+
+
+def _imported_at_start(out: str):
+    """A train function: what this worker process had imported when Ray Train called it."""
+    def train_fn(config):
+        import sys
+        import time
+
+        time.sleep(3)  # the hook's thread imports for a second or two
+        with open(out, "w") as f:
+            json.dump({m: m in sys.modules for m in ("torch._dynamo", "raytrain.worker.loop")}, f)
+    return train_fn
+
+
+def test_train_workers_import_torch_from_their_start(ray_cluster, tmp_path):
+    """The setup hook (worker/warm.py) runs in every Train worker process: DDP's torch._dynamo
+    import, which nothing before the train function needs, is done by then. Without the hook
+    (the control run) it is not."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain import ray_compat
+    from raytrain.worker import warm
+
+    env = ray_compat.setup_hook_env(warm.HOOK)
+    assert env, "this Ray lacks the setup hook's env var"
+    seen = {}
+    for name, worker_env in (("warm", {"env_vars": env}), ("control", None)):
+        out = str(tmp_path / f"{name}.json")
+        result = TorchTrainer(_imported_at_start(out), scaling_config=ScalingConfig(num_workers=1),
+                              run_config=RunConfig(storage_path=str(tmp_path), name=name,
+                                                   worker_runtime_env=worker_env)).fit()
+        assert result.error is None
+        with open(out) as f:
+            seen[name] = json.load(f)
+    assert seen["warm"] == {"torch._dynamo": True, "raytrain.worker.loop": True}
+    assert seen["control"]["torch._dynamo"] is False

@@ -42,8 +42,9 @@ def token_auth_env() -> None:
 
 
 # Third-party modules Ray Train's TorchTrainer imports, none of which imports ray: the driver
-# loads them in a thread while its main thread checks the inputs (ray_compat.check imports
-# Ray Train) and ray.init starts the cluster (4.7 s of imports on a loaded 2-core machine).
+# loads them in a thread while its main thread checks the inputs and ray.init starts the
+# cluster (4.7 s of imports on a loaded 2-core machine); ray_compat.check (it imports Ray
+# Train) waits for them, once Ray is up (fit.run).
 # Not Ray's own modules: two threads importing those could deadlock on Python's import locks.
 DRIVER_MODULES = ("torch", "pandas", "pyarrow")
 

@@ -85,7 +85,8 @@ def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
         attempt(check_data, cfg)
     if not dry_run:  # a plan may be for a cluster it names later
         attempt(check_local_resources, cfg)
-    attempt(ray_compat.check)
+    if dry_run:  # a run checks Ray's internals once Ray is up (fit.run): torch's import
+        attempt(ray_compat.check)  # (ray.train.torch) then overlaps Ray's start
     if problems:
         raise RaytrainError("\n".join(problems))
 

@@ -192,6 +192,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
+    from raytrain.worker import warm
     from raytrain.worker.ray_entry import train_loop_per_worker
 
     c = cfg.cluster
@@ -219,6 +220,8 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
             callbacks=callbacks,
+            # Each worker process imports torch & co. from its start (worker/warm.py).
+            worker_runtime_env={"env_vars": ray_compat.setup_hook_env(warm.HOOK)},
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
