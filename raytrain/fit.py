@@ -20,13 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.time()  # "Ray up" and the time to first step count from here
     args = build_parser().parse_args(argv)
     debug = getattr(args, "debug", False)
-    imports = None  # the thread importing torch & co. while the driver checks and starts Ray
     try:
         cfg = resolve(args)
         from raytrain.driver import cluster, console, preflight
 
         cluster.token_auth_env()  # before anything imports ray (ray_compat.check does)
-        imports = cluster.import_in_background()  # beside the checks and Ray's start
         preflight.check_inputs(cfg, dry_run=getattr(args, "dry_run", False))
         if getattr(args, "dry_run", False):
             print(console.dry_run_text(cfg))
@@ -43,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                 print_summary(done)
                 return EXIT_OK
         summary = run(cfg, run_search, started_at, resume=getattr(args, "resume", False),
-                      fresh=getattr(args, "fresh", False), imports=imports)
+                      fresh=getattr(args, "fresh", False))
     except RaytrainError as err:
         if debug:
             raise
@@ -53,25 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("raytrain: interrupted; workers stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
-    finally:  # a thread still importing as the interpreter exits could crash it
-        if imports is not None:
-            imports.join()
     print_summary(summary)
     return EXIT_OK
 
 
-def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool, imports=None):
+def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
     """Connect (or start) the cluster, check Ray's internals, run ``run_fn``, stop a cluster
-    raytrain started. ``imports``: the thread importing torch & co., joined before the check
-    imports Ray Train (two threads importing Ray's modules could deadlock)."""
+    raytrain started. Every import happens on this one thread: a second thread importing torch
+    while this one imported Ray left ``torch`` half-initialised (CI, ``ray job submit``:
+    "partially initialized module 'torch' has no attribute '_logging'")."""
     from raytrain import ray_compat
     from raytrain.driver import cluster
 
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
                                       cfg.cluster.keep_cluster)
     try:
-        if imports is not None:
-            imports.join()
         ray_compat.check()  # after Ray's start: its torch import overlapped that start
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:

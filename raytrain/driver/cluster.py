@@ -7,11 +7,9 @@ and the environment Ray Train reads from the process that runs a trainer.
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
 import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
 from raytrain import ray_compat
@@ -39,28 +37,6 @@ def token_auth_env() -> None:
         # Once ray is imported the mode is fixed: changing it then would only reach the processes
         # a new local cluster starts, and they would refuse this client.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
-
-
-# Third-party modules Ray Train's TorchTrainer imports, none of which imports ray: the driver
-# loads them in a thread while its main thread checks the inputs and ray.init starts the
-# cluster (4.7 s of imports on a loaded 2-core machine); ray_compat.check (it imports Ray
-# Train) waits for them, once Ray is up (fit.run).
-# Not Ray's own modules: two threads importing those could deadlock on Python's import locks.
-DRIVER_MODULES = ("torch", "pandas", "pyarrow")
-
-
-def import_in_background(modules: tuple[str, ...] = DRIVER_MODULES) -> threading.Thread:
-    """Import ``modules`` in a daemon thread (errors surface later, at their real import)."""
-    def load() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - imported again where it is used
-                pass
-
-    thread = threading.Thread(target=load, name="raytrain-imports", daemon=True)
-    thread.start()
-    return thread
 
 
 def connect(address: str | None, verbose: bool = False, keep_cluster: bool = False) -> bool:
