@@ -7,6 +7,7 @@ Everything in it is a tensor, number, string, list, tuple or dict, so it loads w
 from __future__ import annotations
 
 import errno
+import io
 import os
 import random
 import warnings
@@ -89,12 +90,23 @@ def restore(state: dict[str, Any], model, optimizer, scheduler, scaler, ema=None
     return state["epoch"], state["step"]
 
 
-def save(state: dict[str, Any], directory: str) -> str:
-    """Write ``state`` into ``directory`` atomically (temp file, then rename)."""
+def save(state: dict[str, Any] | bytes, directory: str) -> str:
+    """Write ``state`` (or its ``serialize``d bytes) into ``directory`` atomically (temp file,
+    then rename)."""
     path = os.path.join(directory, STATE_FILE)
+    if isinstance(state, bytes):
+        files.atomic_write(path, state)
+        return path
     with files.replacing(path) as tmp:
         torch.save(state, tmp)
     return path
+
+
+def serialize(state: dict[str, Any]) -> bytes:
+    """``state`` as ``save`` writes it, taken now: training may go on changing the tensors."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 def load_file(path: str) -> Any:

@@ -56,17 +56,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
-    """Connect (or start) the cluster, check Ray's internals, run ``run_fn``, stop a cluster
-    raytrain started. Every import happens on this one thread: a second thread importing torch
-    while this one imported Ray left ``torch`` half-initialised (CI, ``ray job submit``:
-    "partially initialized module 'torch' has no attribute '_logging'")."""
+    """Check Ray's internals, connect (or start) the cluster, run ``run_fn``, stop a cluster
+    raytrain started.
+
+    The check imports Ray Train and so torch, before ``ray.init``: torch's libraries take
+    static TLS, and dlopened after what ``ray.init`` loads in a ``ray job submit`` driver
+    they failed ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so"; CI, 2026-12-05).
+    One thread: importing torch in a second one, beside Ray's start, left it half-initialised
+    when that load failed ("partially initialized module 'torch' has no attribute '_logging'").
+    """
     from raytrain import ray_compat
     from raytrain.driver import cluster
 
+    ray_compat.check()
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
                                       cfg.cluster.keep_cluster)
     try:
-        ray_compat.check()  # after Ray's start: its torch import overlapped that start
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
         cluster.disconnect(started_cluster)

@@ -77,7 +77,7 @@ def check() -> None:
 
 # REQUIRED. Rank 0 copies its checkpoint into the run's storage itself, before report(), so a
 # failing save (full disk) stops the run cleanly on every rank (worker/ray_entry.py
-# _ray_report). Inside report() Ray 2.60 copies after the ranks' barrier and raises on rank 0
+# EpochReports). Inside report() Ray 2.60 copies after the ranks' barrier and raises on rank 0
 # alone: the group restarts --max-failures times and rank 0 can never report again (a hang).
 # get_storage() is a DeveloperAPI; its StorageContext (train/v2/_internal/execution/storage.py)
 # is internal. Missing: check() fails at start-up (the workers would fail every epoch).
@@ -260,18 +260,44 @@ def _set_env(values: dict[str, str | None]) -> None:
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
 # is up, beside the driver's preflight, instead of on the controller's way to the first step.
+# On a running cluster (--address) it is made as Ray's get_or_create_state_actor makes it
+# (train/v2/_internal/state/state_actor.py, 2.60), plus $RAY_ADDRESS in its environment: its
+# reconciliation (every 30 s) asks the State API, which otherwise follows the machine's
+# ray_current_cluster file, and a file naming a dead cluster (a killed `ray start --head`)
+# held every run's end up by ~40 s (issue #27). A cluster raytrain starts gives all its
+# processes that address already (init_local). An actor some other run made is left as is.
 # Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
 # before; only the earlier start (a second or two of time to first step) is lost.
 STATE_ACTOR = "ray.train.v2._internal.state.state_actor.get_or_create_state_actor"
 
 
-def start_train_state_actor() -> None:
-    start = _internal("ray.train.v2._internal.state.state_actor", "get_or_create_state_actor")
+def start_train_state_actor(address: str | None = None) -> None:
+    """``address``: the GCS of the running cluster the driver joined (None: one it started)."""
+    module = _internal("ray.train.v2._internal.state.state_actor")
+    start = getattr(module, "get_or_create_state_actor", None)
     if start is None:
         warn_once(STATE_ACTOR, "the Train state actor starts with the controller, later")
         return
     try:
-        start()
+        if address is None or not hasattr(module, "TrainStateActor"):
+            start()
+            return
+        import ray
+
+        with module._state_actor_lock:
+            ray.remote(module.TrainStateActor).options(
+                num_cpus=0, name=module.TRAIN_STATE_ACTOR_NAME,
+                namespace=module.TRAIN_STATE_ACTOR_NAMESPACE, get_if_exists=True,
+                lifetime="detached", resources={"node:__internal_head__": 0.001},
+                scheduling_strategy="DEFAULT", max_restarts=-1, max_task_retries=-1,
+                runtime_env={"env_vars": {"RAY_ADDRESS": address}},
+            ).remote(
+                enable_state_actor_reconciliation=module.ray_constants.env_bool(
+                    module.ENABLE_STATE_ACTOR_RECONCILIATION_ENV_VAR,
+                    module.DEFAULT_ENABLE_STATE_ACTOR_RECONCILIATION),
+                reconciliation_interval_s=float(os.getenv(
+                    module.STATE_ACTOR_RECONCILIATION_INTERVAL_S_ENV_VAR,
+                    module.DEFAULT_STATE_ACTOR_RECONCILIATION_INTERVAL_S)))
     except Exception:  # noqa: BLE001 - the controller starts it as before
         pass
 

@@ -156,7 +156,7 @@ def test_ray_job_submit_runs_raytrain_and_returns_its_exit_status(two_nodes):
                                  "--storage-path", str(storage), "--name", "job"])
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "succeeded" in ok.stdout
-    assert [r["epoch"] for r in metrics(storage / "job")] == [1]
+    assert [r["epoch"] for r in metrics(storage / "job")] == [1], ok.stdout[-3000:]
     bad = two_nodes.run(submit + ["--num-workers", "0"], timeout=180)  # raytrain exits 2
     assert bad.returncode != 0
     assert "--num-workers: got '0'" in bad.stdout and "exit code 2" in bad.stdout

@@ -105,6 +105,32 @@ def test_a_stale_ray_address_file_does_not_delay_the_end_of_a_run(tmp_path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def test_a_stale_address_file_does_not_delay_a_run_on_a_running_cluster(tmp_path):
+    """The same on a cluster started with `ray start --head` (--address): its processes read
+    the address file of their temp dir, which here names a dead cluster after the head has
+    started (a later `ray start` killed on the machine). The state actor raytrain makes there
+    is given the cluster's address (ray_compat.start_train_state_actor)."""
+    cluster = LocalCluster()
+    try:  # its processes' default temp dir is the head's --temp-dir: the file they read
+        cluster.env["RAY_TMPDIR"] = str(cluster.base)
+        cluster.start_head()
+        stale = cluster.base / "ray" / "ray_current_cluster"
+        assert stale.read_text().strip().endswith(f":{cluster.port}")  # `ray start` wrote it
+        stale.write_text(f"127.0.0.1:{free_port()}")  # nothing listens there
+        env = {**cluster.client_env, "RAY_TRAIN_STATE_ACTOR_RECONCILIATION_INTERVAL_S": "1"}
+        proc = subprocess.run([sys.executable, "-m", "raytrain.fit", "--address",
+                               cluster.address, "--num-workers", "1", "--dataset", "digits",
+                               "--epochs", "6", "--storage-path", str(tmp_path), "--name",
+                               "stale"], capture_output=True, text=True, env=env, timeout=240)
+        ended = time.time()
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert [r["epoch"] for r in metrics(tmp_path / "stale")] == [1, 2, 3, 4, 5, 6]
+        last_epoch = os.path.getmtime(tmp_path / "stale" / "metrics.jsonl")
+        assert ended - last_epoch < 10, f"ended {ended - last_epoch:.1f} s after its last epoch"
+    finally:
+        cluster.stop()
+
+
 def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     """The driver starts its own local cluster; SIGINT must take all of it down."""
     env = {**os.environ, "RAY_ADDRESS": ""}

@@ -74,7 +74,7 @@ def connect(address: str | None, verbose: bool = False, keep_cluster: bool = Fal
     except Exception as err:
         raise RaytrainError(f"--address {address}: cannot connect to a Ray cluster there "
                             f"({type(err).__name__}: {str(err).splitlines()[0][:120]})") from None
-    start_state_actor()
+    start_state_actor(ctx.address_info.get("gcs_address"))
     if kept:
         console.print_dashboard(ctx.dashboard_url, kept=True)
     return False
@@ -102,14 +102,15 @@ def train_env(shape: Shape | None = None) -> None:
             os.environ.pop(PREEMPTION_WATCHER, None)
 
 
-def start_state_actor() -> None:
+def start_state_actor(address: str | None = None) -> None:
     """Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray is up.
 
     Train's controller starts it otherwise, and waits for it, on the way to the first step;
     from here it starts beside the driver's preflight and the controller (a new local cluster:
     in a worker process Ray has already started). It lives as long as the cluster: on a
-    running cluster this finds the one there."""
-    ray_compat.start_train_state_actor()
+    running cluster this finds the one there, or makes it knowing ``address`` (never a stale
+    /tmp/ray address file: ray_compat.start_train_state_actor)."""
+    ray_compat.start_train_state_actor(address)
 
 
 def start_head() -> str:
