@@ -3,13 +3,13 @@
 Written against Ray 2.60 (2026-12-03); ``pyproject.toml`` pins ``ray==2.60.*``. Each use below
 says what it works around and what happens when a Ray version lacks it:
 
-- REQUIRED: ``check()`` (on the driver once Ray is up, before the first trainer; never on
-  workers, never retried) stops with one line naming the internal.
+- REQUIRED: ``check()`` (on the driver before ray.init; never on workers, never retried)
+  stops with one line naming the internal.
 - FALLBACK: raytrain runs without it, as documented there, and warns once
   (``RayCompatWarning``) naming what is lost.
 
-Moving to a new Ray: run the whole suite (``tests/test_architecture.py`` runs every fallback),
-re-read the uses below against the new sources, then widen the pin.
+A new Ray: run the whole suite (``tests/test_architecture.py`` runs every fallback), re-read
+the uses below against its sources, then widen the pin.
 
     python -c "from raytrain import ray_compat; ray_compat.check()"
 """
@@ -76,11 +76,9 @@ def check() -> None:
 
 
 # REQUIRED. Rank 0 copies its checkpoint into the run's storage itself, before report(), so a
-# failing save (full disk) stops the run cleanly on every rank (worker/ray_entry.py
-# EpochReports). Inside report() Ray 2.60 copies after the ranks' barrier and raises on rank 0
-# alone: the group restarts --max-failures times and rank 0 can never report again (a hang).
-# get_storage() is a DeveloperAPI; its StorageContext (train/v2/_internal/execution/storage.py)
-# is internal. Missing: check() fails at start-up (the workers would fail every epoch).
+# failing save (full disk) stops the run cleanly on every rank (worker/ray_entry.EpochReports
+# says why report()'s own copy cannot). get_storage() is a DeveloperAPI; its StorageContext
+# (train/v2/_internal/execution/storage.py) is internal. Missing: check() fails at start-up.
 STORAGE_CONTEXT = "ray.train.v2._internal.execution.storage.StorageContext"
 _STORAGE_METHODS = ("build_checkpoint_path_from_name", "persist_current_checkpoint")
 
@@ -123,11 +121,10 @@ def quiet_report_logs() -> None:
 
 
 # FALLBACK (2026-12-04). A function run in every Train worker process as it starts
-# (raytrain.worker.warm: imports beside the controller's start-up, ~2 s less to the first step
-# on 2 cores). Ray reads the hook from this env var (_private/workers/default_worker.py); the
-# public runtime_env field "worker_process_setup_hook" is converted to it for the job's
-# runtime_env only (_private/runtime_env/setup_hook.py) and ignored, silently, in an actor's.
-# Missing: the workers import as they go, as before.
+# (raytrain.worker.warm). Ray reads the hook from this env var (_private/workers/
+# default_worker.py); the public runtime_env field "worker_process_setup_hook" becomes it in
+# the job's runtime_env only, and is silently ignored in an actor's. Missing: workers import
+# as they go.
 SETUP_HOOK_ENV = "ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 
 
@@ -141,20 +138,18 @@ def setup_hook_env(hook: str) -> dict[str, str]:
 
 
 # FALLBACK. Which checkpoint directories Ray Train registered, read on the driver from the
-# run directory's checkpoint_manager_snapshot.json (Ray 2.60: train/v2/_internal/constants.py
-# CHECKPOINT_MANAGER_SNAPSHOT_FILENAME, written by execution/checkpoint/checkpoint_manager.py
-# _save_state on every registration; a re-run resumes from its latest_checkpoint_result and
-# fails to start if one it lists is gone). Rank 0 writes a checkpoint's directory before
-# report() registers it, so a Ctrl-C between the two leaves one Ray never resumes from.
-# Missing: every complete checkpoint directory counts as registered (a resume may be announced
-# from a later epoch than the workers resume from) and none is pruned.
+# run's checkpoint_manager_snapshot.json (Ray 2.60: train/v2/_internal/constants.py, written by
+# checkpoint_manager.py _save_state on every registration; a re-run resumes from its
+# latest_checkpoint_result). Rank 0 writes a checkpoint before report() registers it, so a
+# Ctrl-C between the two leaves one Ray never resumes from. Missing: every complete checkpoint
+# directory counts as registered (a resume may be announced from a later epoch) and none is
+# pruned.
 CHECKPOINT_SNAPSHOT = "ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"
 
 
 def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
-    """(the checkpoint directory names Ray Train references in ``run_dir``, a path or a bucket
-    URI; the latest one's name); (set(), None) before it registered any; None where this Ray's
-    record is unknown."""
+    """(checkpoint directory names Ray Train references in ``run_dir``, a path or URI; the
+    latest's name); (set(), None) before any; None where this Ray's record is unknown."""
     filename = _internal("ray.train.v2._internal.constants",
                          "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
     if filename is None:
@@ -181,11 +176,9 @@ _LOST_SNAPSHOT = ("every complete checkpoint directory counts as Ray's; unregist
                   "not pruned")
 
 
-# FALLBACK. The CPUs a new local cluster gets (ray.init without num_cpus): Ray 2.60's
-# _private/utils.py get_num_cpus (cgroup quota, else multiprocessing.cpu_count()), so the
-# driver can refuse workers that cannot fit before starting it. Missing: os.cpu_count(), never
-# fewer than Ray counts, so nothing that fits is refused (a cgroup-limited machine is then
-# refused by preflight after the cluster starts, as before).
+# FALLBACK. The CPUs a new local cluster gets (Ray 2.60 _private/utils.py get_num_cpus: cgroup
+# quota, else cpu_count()), so workers that cannot fit are refused before it starts. Missing:
+# os.cpu_count(), never fewer than Ray counts (a cgroup-limited machine is refused after).
 LOCAL_CPUS = "ray._private.utils.get_num_cpus"
 
 
@@ -201,13 +194,12 @@ _LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
 
 
 # FALLBACK (2026-12-04). A new local cluster whose processes know its address. A Ray process
-# looking for "the" cluster (State API: services.py get_ray_address_from_environment) takes
-# $RAY_ADDRESS, else /tmp/ray/ray_current_cluster: the last `ray start` here, dead or alive
-# (Ray #45771, #27021). Ray 2.60's Train state actor calls ray.util.state.get_actor every 30 s
-# holding the lock the controller's last update needs: following a dead cluster it retried ~40 s
-# and runs ended 40 s late (issue #27, py-spy). So the GCS port is chosen here
-# ($RAY_GCS_SERVER_PORT, read by _private/node.py) and $RAY_ADDRESS set before the cluster
-# starts: its processes inherit it. Missing: a stale file may stall a run's end by ~40 s.
+# looking for "the" cluster (State API: services.py) takes $RAY_ADDRESS, else the
+# ray_current_cluster file: the last `ray start` here, dead or alive (Ray #45771, #27021). Train
+# 2.60's state actor calls ray.util.state.get_actor every 30 s holding the lock the controller's
+# last update needs: following a dead cluster, runs ended 40 s late (issue #27, py-spy). So the
+# GCS port ($RAY_GCS_SERVER_PORT, _private/node.py) and $RAY_ADDRESS are set before the cluster
+# starts. Missing: a stale file may stall a run's end by ~40 s.
 GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
 _LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (runs end late)"
 _saved_env: list[dict[str, str | None]] = []
@@ -259,45 +251,38 @@ def _set_env(values: dict[str, str | None]) -> None:
 
 
 # FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
-# is up, beside the driver's preflight, instead of on the controller's way to the first step.
-# On a running cluster (--address) it is made as Ray's get_or_create_state_actor makes it
-# (train/v2/_internal/state/state_actor.py, 2.60), plus $RAY_ADDRESS in its environment: its
-# reconciliation (every 30 s) asks the State API, which otherwise follows the machine's
-# ray_current_cluster file, and a file naming a dead cluster (a killed `ray start --head`)
-# held every run's end up by ~40 s (issue #27). A cluster raytrain starts gives all its
-# processes that address already (init_local). An actor some other run made is left as is.
-# Missing (or it fails, e.g. a cluster without a head resource): the controller starts it as
-# before; only the earlier start (a second or two of time to first step) is lost.
+# is up, not on the controller's way to the first step. On a running cluster it is made as
+# Ray's get_or_create_state_actor does (train/v2/_internal/state/state_actor.py, 2.60) plus
+# $RAY_ADDRESS: its 30 s reconciliation asks the State API, which otherwise follows the
+# machine's ray_current_cluster file to a dead cluster (~40 s late ends, issue #27; see
+# GCS_PORT_ENV). An actor another run made is left as it is. Missing (or it fails): the
+# controller starts it as before, a second or two later.
 STATE_ACTOR = "ray.train.v2._internal.state.state_actor.get_or_create_state_actor"
 
 
 def start_train_state_actor(address: str | None = None) -> None:
     """``address``: the GCS of the running cluster the driver joined (None: one it started)."""
-    module = _internal("ray.train.v2._internal.state.state_actor")
-    start = getattr(module, "get_or_create_state_actor", None)
-    if start is None:
+    m = _internal("ray.train.v2._internal.state.state_actor")
+    if getattr(m, "get_or_create_state_actor", None) is None:
         warn_once(STATE_ACTOR, "the Train state actor starts with the controller, later")
         return
-    try:
-        if address is None or not hasattr(module, "TrainStateActor"):
-            start()
-            return
-        import ray
 
-        with module._state_actor_lock:
-            ray.remote(module.TrainStateActor).options(
-                num_cpus=0, name=module.TRAIN_STATE_ACTOR_NAME,
-                namespace=module.TRAIN_STATE_ACTOR_NAMESPACE, get_if_exists=True,
-                lifetime="detached", resources={"node:__internal_head__": 0.001},
-                scheduling_strategy="DEFAULT", max_restarts=-1, max_task_retries=-1,
-                runtime_env={"env_vars": {"RAY_ADDRESS": address}},
-            ).remote(
-                enable_state_actor_reconciliation=module.ray_constants.env_bool(
-                    module.ENABLE_STATE_ACTOR_RECONCILIATION_ENV_VAR,
-                    module.DEFAULT_ENABLE_STATE_ACTOR_RECONCILIATION),
-                reconciliation_interval_s=float(os.getenv(
-                    module.STATE_ACTOR_RECONCILIATION_INTERVAL_S_ENV_VAR,
-                    module.DEFAULT_STATE_ACTOR_RECONCILIATION_INTERVAL_S)))
+    def setting(name: str) -> str:  # as Ray reads it, from the creating process's env
+        return str(os.getenv(getattr(m, f"{name}_ENV_VAR"), getattr(m, f"DEFAULT_{name}")))
+    try:
+        if address is None:
+            m.get_or_create_state_actor()
+            return
+        with m._state_actor_lock:
+            importlib.import_module("ray").remote(m.TrainStateActor).options(
+                num_cpus=0, name=m.TRAIN_STATE_ACTOR_NAME, get_if_exists=True,
+                namespace=m.TRAIN_STATE_ACTOR_NAMESPACE, lifetime="detached",
+                resources={"node:__internal_head__": 0.001}, scheduling_strategy="DEFAULT",
+                max_restarts=-1, max_task_retries=-1,
+                runtime_env={"env_vars": {"RAY_ADDRESS": address}}).remote(
+                enable_state_actor_reconciliation=setting(
+                    "ENABLE_STATE_ACTOR_RECONCILIATION").lower() in ("1", "true"),
+                reconciliation_interval_s=float(setting("STATE_ACTOR_RECONCILIATION_INTERVAL_S")))
     except Exception:  # noqa: BLE001 - the controller starts it as before
         pass
 
@@ -323,18 +308,14 @@ def cluster_config():
         return None
 
 
-# FALLBACK. A TorchTrainer without the processes a run has no use for (each costs seconds
-# before the first step on a small machine; benchmarks/launcher_overhead.py, README results):
-# - DatasetsCallback's DatasetManager actor, started even without Ray Datasets: dropped when
-#   the trainer has no datasets;
-# - PlacementGroupCleanerCallback's detached cleaner: dropped where the driver exits right
-#   after the controller (a plain run; Ray frees a finished job's groups), kept in Tune trials;
-# - the scaling policies' requests to Ray Data's autoscaling coordinator (whose actor they
-#   start) where preflight found no autoscaling node types: driver/nodes.NodeWatch sizes the
-#   worker groups there instead. Uses the private TorchTrainer._create_default_callbacks /
-# _initialize_and_run_controller and the internal classes above. Missing: Ray's own
-# TorchTrainer runs unchanged (a few seconds more to the first step; a lost node costs Ray's
-# 60 s start timeouts, see driver/nodes.py).
+# FALLBACK. A TorchTrainer without the processes a run has no use for (seconds each before
+# the first step on a small machine): DatasetsCallback's DatasetManager actor when there are no
+# datasets; PlacementGroupCleanerCallback's detached cleaner where the driver exits right after
+# the controller (Ray frees a finished job's groups; kept in Tune trials); the scaling policies'
+# requests to Ray Data's autoscaling coordinator where preflight found no autoscaling node
+# types (driver/nodes.NodeWatch sizes the groups). Uses the private TorchTrainer methods and
+# the internal classes below. Missing: Ray's own TorchTrainer runs unchanged (a few seconds
+# more to the first step; a lost node costs Ray's 60 s start timeouts, driver/nodes.py).
 TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
                      "ray.train.v2._internal callbacks, FixedScalingPolicy, Noop/ResizeDecision")
 _CALLBACKS = "ray.train.v2._internal.callbacks"
@@ -430,14 +411,12 @@ def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPoli
 # ---------------------------------------------------------------------------- Tune side
 
 
-# FALLBACK. Placement groups of dead Train controllers (tune/placement.py): Tune ends a trial by
-# ending its process, the controller dies with it and never removes its workers' group, and
-# Ray keeps a group until the driver's job ends; Ray 2.60's PlacementGroupCleaner fails when
-# several Ray clusters share a machine (Ray issue #54305; leaked CPUs stalled later trials).
-# The groups are found by their creator in the GCS table (ray._private.state, gcs_pb2) and
-# removed by id (ray._raylet.PlacementGroupID); controllers are recorded by a
-# WorkerGroupCallback (ray.train.v2._internal.execution.callback). Missing: no reaping; a
-# search may leak the CPUs of trials Tune ended until the search ends (Ray frees them then).
+# FALLBACK. Placement groups of dead Train controllers (tune/placement.py): a trial Tune ends
+# takes its controller with it, which never removes its workers' group, and Ray keeps a group
+# until the driver's job ends; Ray 2.60's PlacementGroupCleaner fails when several clusters
+# share a machine (Ray #54305). Found by creator in the GCS table (ray._private.state), removed
+# by id (ray._raylet.PlacementGroupID); controllers recorded by a WorkerGroupCallback. Missing:
+# a search may hold the CPUs of trials Tune ended until it ends.
 PLACEMENT_GROUPS = ("the placement-group table (ray._private.state, ray._raylet."
                     "PlacementGroupID) and WorkerGroupCallback")
 _LOST_REAPER = ("placement groups of ended trials are not removed until the search ends; "
@@ -466,8 +445,7 @@ def can_reap_placement_groups() -> bool:
 
 
 def live_placement_groups() -> list[tuple[str, str, bool]]:
-    """(id, creator actor id, whether that actor is dead) of each placement group not removed:
-    the GCS table, which ``ray.util.placement_group_table`` shows without its creator."""
+    """(id, creator actor id, creator dead) of each group not removed (the GCS table)."""
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
 
@@ -555,15 +533,12 @@ def result_grid_trials(grid) -> list:
 # ---------------------------------------------------------------------------- Ray Data side
 
 
-# FALLBACK. The epoch of a streamed dataset (data/decode.py). Ray Data counts the executions
-# of a dataset in its DataContext's private ``_execution_idx`` (data/context.py, advanced by
-# execution_idx_update_callback.py after each one); RandomSeedConfig(reseed_after_execution=
-# True) reseeds shuffles from the same counter. Under Train each epoch's pass over a shard is
-# one execution, so it is the epoch (from 0): the decode tasks seed their random crops with it,
-# and a worker group started from an epoch-N checkpoint sets it to N so that epoch N+1 is
-# shuffled and cropped as in an uninterrupted run. Missing: crops are seeded by (seed, image)
-# alone (each image gets the same random crop every epoch) and a resumed run's shuffles restart
-# from epoch 1's; every epoch still sees every image at most once.
+# FALLBACK. The epoch of a streamed dataset (data/decode.py): Ray Data counts a dataset's
+# executions in DataContext's private ``_execution_idx`` (data/context.py; shuffles reseed from
+# it). Under Train each epoch's pass is one execution: the decode tasks seed their crops with
+# it, and a group resumed from an epoch-N checkpoint sets it to N, so epoch N+1 is shuffled and
+# cropped as uninterrupted. Missing: crops seeded by (seed, image) alone (the same crop every
+# epoch), a resumed run reshuffles from epoch 1's order; each image still once per epoch.
 DATA_EXECUTION_INDEX = "DataContext._execution_idx"
 
 
