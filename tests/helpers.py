@@ -278,6 +278,11 @@ class LocalCluster:
     def add_node(self, **flags) -> int:
         """Start one more node joining the head; returns its session id (see stop_session)."""
         port = flags.setdefault("node_manager_port", free_port(""))
+        # A temp dir of its own, as on another machine: nodes sharing one session directory share
+        # its runtime_resources, and one node's runtime-env agent removing or re-unpacking a
+        # job's working_dir there took files from under the running driver (Ray 2.60
+        # packaging.py rmtree; CI: "No module named 'raytrain.driver.placement'").
+        flags.setdefault("temp_dir", self.base / f"node-{port}")
         session = self._start(self.node_argv, self.node_env, address=self.address, **flags)
         self.node_ports[session] = port
         return session
@@ -316,8 +321,8 @@ class LocalCluster:
 
     def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
         flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
-                 "dashboard_agent_listen_port": free_port(""), **flags,
-                 "temp_dir": self.base / "ray"}
+                 "dashboard_agent_listen_port": free_port(""), "temp_dir": self.base / "ray",
+                 **flags}
         machine_bound = ("--port=", "--address=", "--object-manager-port=", "--autoscaling-config=")
         cmd = [shutil.which("ray", path=BIN)]
         cmd += [a for a in argv[1:] if not a.startswith(machine_bound)]
