@@ -78,8 +78,18 @@ def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
 
 
 def main_cli() -> None:
-    """Console script ``raytrain-fit``."""
-    sys.exit(main())
+    """Console script ``raytrain-fit`` (and ``python -m raytrain.fit``): ``main``, then exit
+    without the interpreter's module teardown, which took 0.86 s after the last line of a
+    30 s digits run on 2 cores (torch's and Ray's native libraries; measured 2026-12-05). The
+    exit handlers still run first (Ray's disconnect, MLflow's and logging's flushes)."""
+    import atexit
+    import os
+
+    code = main()
+    atexit._run_exitfuncs()  # noqa: SLF001 - what a normal exit runs first (CPython)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
