@@ -164,14 +164,16 @@ def test_fixed_run_stops_in_one_line_when_no_node_comes_back(cluster):
     assert latest_checkpoint_epoch(str(run)) == kept >= 1  # complete and registered
 
 
-@pytest.mark.xfail(strict=False, reason="2026-12-04: in 2 of the last 3 runs the node was lost "
-                   "while two trials trained, yet no trial shows it (all completed, no node_lost "
-                   "event): cause not found yet; the search itself completed every time")
 def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster):
+    """Two trials train at once, one CPU each: one of them on the second node, which is lost.
+    That trial's worker group is restarted (Ray Train sees its worker fail, often before the
+    GCS has marked the node dead: a worker_failure event, not node_lost; seen 2026-12-05, when
+    this test had been xfail for looking for node_lost alone) and it ends with every epoch
+    once, or it fails with the lost node as its reason."""
     node = _second_node(cluster)
     search = cluster.base / "runs" / "search"
     # ~2 s epochs (digits' take 0.5 s): two trials' runs overlap long enough to lose a node
-    proc, lines = _start(cluster, "--tune", "--lr-range", "0.02,0.03,0.05", "--num-samples", "1",
+    proc, lines = _start(cluster, "--tune", "--lr-range", "0.02,0.05", "--num-samples", "1",
                          "--dataset", "synthetic", "--synthetic-size", "8000",
                          "--batch-sizes", "128", "--scheduler", "none", "--num-workers", "1",
                          "--epochs", "6", "--storage-path", str(search.parent), "--name", "search")
@@ -188,11 +190,12 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
     out = _finish(proc, lines)
     assert proc.returncode == 0, out  # the search completed
     rows = read_results(search)
-    assert len(rows) == 3 and {r["status"] for r in rows} <= {"completed", "failed"}, rows
+    assert len(rows) == 2 and {r["status"] for r in rows} <= {"completed", "failed"}, rows
     for r in rows:  # a failed trial names the lost node as its reason
         assert r["status"] == "completed" or r["error"].startswith("its node was lost ("), r
-    hit = [r for r in rows if r["status"] == "failed" or
-           _events(trials / r["trial_id"], "node_lost")]  # failed, or restarted without it
+    hit = [r for r in rows if r["status"] == "failed" or  # failed, or restarted without it
+           _events(trials / r["trial_id"], "node_lost") or
+           _events(trials / r["trial_id"], "worker_failure")]
     assert hit, (rows, out)
     for r in rows:
         if r["status"] == "completed":
