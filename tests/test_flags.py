@@ -125,15 +125,17 @@ def test_report_prints_the_summary_and_redraws_the_plot(adamw_run):
 
 
 def test_constant_schedule_in_fp16_with_checkpoint_every(ray_cluster, tmp_path):
+    # LeNet-5: fp16 autocast on a CPU is slow, and the seed's Net made this test 64-78 s
     rc, out, _ = _fit("--num-workers", "2", "--dataset", "digits", "--epochs", "2",
-                      "--lr", "0.05", "--batch-size", "32", "--lr-schedule", "constant",
-                      "--precision", "fp16", "--checkpoint-every", "2",
+                      "--model", "lenet", "--lr", "0.05", "--batch-size", "32",
+                      "--lr-schedule", "constant", "--precision", "fp16", "--checkpoint-every", "2",
                       "--storage-path", str(tmp_path), "--name", "fp16")
     assert rc == 0, out
     run_dir = tmp_path / "fp16"
     rows = _jsonl(run_dir / "metrics.jsonl")
     assert [r["lr"] for r in rows] == [0.05, 0.05]
-    assert rows[-1]["test_acc"] > 0.3  # chance is 0.10
+    # chance is 0.10; these settings gave 0.74-0.79 on seeds 0-3 (torchrun -m raytrain.loop)
+    assert rows[-1]["test_acc"] > 0.3
     assert _checkpoints(run_dir) == ["checkpoint_epoch_0002"]  # never epoch 1's
     state = _state(run_dir)
     assert state["scaler"] is not None and state["scaler"]["scale"] > 0  # GradScaler ran
