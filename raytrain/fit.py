@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(args)
         from raytrain.driver import cluster, console, preflight
 
-        cluster.token_auth_env()  # before anything imports ray (ray_compat.check does)
+        cluster.token_auth_env()  # before anything imports ray (check_inputs does)
         preflight.check_inputs(cfg, dry_run=getattr(args, "dry_run", False))
         if getattr(args, "dry_run", False):
             print(console.dry_run_text(cfg))
@@ -56,19 +56,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
-    """Check Ray's internals, connect (or start) the cluster, run ``run_fn``, stop a cluster
-    raytrain started.
+    """Connect (or start) the cluster, run ``run_fn``, stop a cluster raytrain started.
 
-    The check imports Ray Train and so torch, before ``ray.init``: torch's libraries take
-    static TLS, and dlopened after what ``ray.init`` loads in a ``ray job submit`` driver
-    they failed ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so"; CI, 2026-12-05).
-    One thread: importing torch in a second one, beside Ray's start, left it half-initialised
-    when that load failed ("partially initialized module 'torch' has no attribute '_logging'").
-    """
-    from raytrain import ray_compat
+    Ray Train and torch are imported already (preflight.check_inputs), on this one thread: a
+    second thread importing torch beside Ray's start left it half-initialised when its load
+    failed ("partially initialized module 'torch' has no attribute '_logging'", CI)."""
     from raytrain.driver import cluster
 
-    ray_compat.check()
     started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
                                       cfg.cluster.keep_cluster)
     try:

@@ -85,8 +85,10 @@ def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
         attempt(check_data, cfg)
     if not dry_run:  # a plan may be for a cluster it names later
         attempt(check_local_resources, cfg)
-    if dry_run:  # a run checks Ray's internals once Ray is up (fit.run): torch's import
-        attempt(ray_compat.check)  # (ray.train.torch) then overlaps Ray's start
+    # Ray Train, and so torch, imported here, before ray.init (fit.run): torch's libraries take
+    # static TLS, and dlopened after what ray.init loads in a `ray job submit` driver they
+    # failed ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so"; CI, 2026-12-05).
+    attempt(ray_compat.check)
     if problems:
         raise RaytrainError("\n".join(problems))
 

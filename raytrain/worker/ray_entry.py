@@ -152,9 +152,9 @@ class EpochReports:
 
 def _save_checkpoint(state: dict[str, Any] | bytes, name: str, epoch: int, storage_path: str,
                      started_from=None):
-    """Rank 0: ``state`` (or its bytes) into the run's storage as checkpoint ``name``. Returns (checkpoint,
-    None), or (None, a one-line error) with no partial directory left and earlier ones as
-    they were."""
+    """Rank 0: ``state`` (or its bytes) into the run's storage as checkpoint ``name``.
+    Returns (checkpoint, None), or (None, a one-line error) with no partial directory left and
+    earlier ones as they were."""
     import ray.train
 
     # The very copy (pyarrow: local path, NFS, s3://, gs://) that report() makes of a
