@@ -150,9 +150,8 @@ class EpochReports:
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 
 
-def _save_checkpoint(state: dict[str, Any] | bytes, name: str, epoch: int, storage_path: str,
-                     started_from=None):
-    """Rank 0: ``state`` (or its bytes) into the run's storage as checkpoint ``name``.
+def _save_checkpoint(blob: bytes, name: str, epoch: int, storage_path: str, started_from=None):
+    """Rank 0: a ``checkpoint.serialize``d state into the run's storage as checkpoint ``name``.
     Returns (checkpoint, None), or (None, a one-line error) with no partial directory left and
     earlier ones as they were."""
     import ray.train
@@ -164,7 +163,7 @@ def _save_checkpoint(state: dict[str, Any] | bytes, name: str, epoch: int, stora
     for attempt in range(3):
         try:
             with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
-                checkpoint.save(state, directory)
+                checkpoint.save(blob, directory)
                 return storage.persist(ray.train.Checkpoint.from_directory(directory),
                                        name), None
         except OSError as err:
