@@ -27,8 +27,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytrain.data.decode import decode_crop  # noqa: E402
-from raytrain.data.listing import list_image_folder, take_listing  # noqa: E402
-from raytrain.data.pipeline import steps_per_epoch, train_streams  # noqa: E402
+from raytrain.data.listing import list_image_folder  # noqa: E402
+from raytrain.data.pipeline import build_datasets  # noqa: E402
 from raytrain.data.sources import IMAGENET_MEAN, IMAGENET_STD, iter_batches  # noqa: E402
 
 
@@ -170,32 +170,19 @@ def with_step(root: str, size: int, batch: int, epochs: int, model: str, loaders
             (rows[-1]["images_per_s"], rows[0]["first_batch_s"]))
 
 
-def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool,
-            per_epoch: bool = False):
-    """raytrain's train split as a one-worker run reads it: one execution through all epochs
-    (``EpochStreams.for_rank``), each epoch its steps' batches; ``per_epoch``: a new execution
-    every epoch (before issue #27's change)."""
-    import itertools
-
+def raydata(root: str, size: int, batch: int, epochs: int, on_worker: bool):
     t0 = time.perf_counter()
-    listing = take_listing("imagefolder", root)
-    streams = train_streams(listing, root, size, seed=0, decode_on_worker=on_worker)
-    steps = steps_per_epoch(listing.counts["train"], 1, batch)
+    datasets, _, _ = build_datasets("imagefolder", root, size, seed=0,
+                                              decode_on_worker=on_worker)
+    it = datasets["train"].iterator()
     spec = {"size": size, "train": True, "seed": 0} if on_worker else None
-    if per_epoch:
-        it = streams.per_execution().iterator()
-    else:
-        stream = iter(iter_batches(streams.for_rank(0, epochs, 0, steps * batch).iterator(),
-                                   batch, "cpu", train=True, decode=spec))
     first, rate, warm = None, 0.0, None
     for _ in range(epochs):
         t, n, warm = time.perf_counter(), 0, None
-        batches = (iter_batches(it, batch, "cpu", train=True, decode=spec) if per_epoch
-                   else itertools.islice(stream, steps))
-        for item in batches:
+        for x, _, _ in iter_batches(it, batch, "cpu", train=True, decode=spec):
             first = first or time.perf_counter() - t0
             warm = warm or time.perf_counter() - t
-            n += len(item[0])
+            n += len(x)
         rate = n / (time.perf_counter() - t)
     return rate, first, warm
 
@@ -255,8 +242,6 @@ def main(argv=None) -> None:
         for s in sizes:
             put("raytrain Ray Data (decode in tasks)", s, *raydata(root, s, a.batch, a.epochs,
                                                                    False))
-            put("  the same, a new execution per epoch", s, *raydata(
-                root, s, a.batch, a.epochs, False, per_epoch=True))
             put("raytrain bytes -> worker decode_jpeg", s, *raydata(root, s, a.batch, a.epochs,
                                                                     True))
     finally:

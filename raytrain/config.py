@@ -255,12 +255,6 @@ class OptimConfig(RecipeConfig):
     nan_policy: str = _opt("stop", "on a NaN/inf loss: stop the run, or skip the step",
                            choices=NAN_POLICIES)
 
-    def step_batch(self, world: int) -> int:
-        """Images per worker and step: the global batch split over ``world`` workers, then
-        over --grad-accum steps per update (what the worker loop trains on, and what a streamed
-        train split is cut into per rank)."""
-        return max(1, max(1, self.batch_size // world) // self.grad_accum)
-
     def __post_init__(self) -> None:
         if self.epochs is None or self.batch_size is None:
             return  # TrainConfig sets them by dataset (DATASET_DEFAULTS), then checks

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import json
 import os
 import threading
@@ -333,48 +332,6 @@ def test_two_ranks_get_equal_train_step_counts(ray_local, folder):
     assert steps == [[expected] * 2] * 2, steps
 
 
-def test_rank_streams_run_through_epochs_each_rank_an_equal_share_of_every_permutation(
-        ray_local, folder):
-    """What a run's train split is (EpochStreams): one execution per rank through the epochs;
-    every epoch the ranks' rows are disjoint, equally many, a batch never mixes epochs, every
-    epoch is another order and crop, and a resumed run (start epoch 1) gets what an
-    uninterrupted one does from there."""
-    from raytrain.data.listing import take_listing
-    from raytrain.data.pipeline import train_streams
-
-    world, batch, epochs = 2, 4, 3
-    listing = take_listing("imagefolder", folder)
-    n = listing.counts["train"]
-    rows = steps_per_epoch(n, world, batch) * batch  # 18 images: 2 steps of 4 per rank
-    assert rows == 8
-    # decode_on_worker: the tasks pass the bytes on with each row's key and epoch
-    streams = train_streams(listing, folder, SIZE, seed=5, decode_on_worker=True, decode_batch=3)
-
-    def run(start: int) -> list[list[tuple[int, int]]]:
-        per_rank = []
-        for rank in range(world):
-            ds = streams.for_rank(start, epochs - start, rank, rows)
-            got = run_with_timeout(lambda: [
-                [(int(e), int(k)) for e, k in zip(b["epoch"], b["key"])]
-                for b in ds.iterator().iter_batches(batch_size=batch)])
-            assert all(len({e for e, _ in b}) == 1 for b in got), got  # one epoch per batch
-            per_rank.append([pair for b in got for pair in b])
-        return per_rank
-
-    full = run(0)
-    assert [len(r) for r in full] == [epochs * rows] * world
-    orders = []
-    for epoch in range(epochs):
-        share = [r[epoch * rows:(epoch + 1) * rows] for r in full]
-        assert all(e == epoch for r in share for e, _ in r)
-        keys = [k for r in share for _, k in r]
-        assert len(set(keys)) == world * rows and set(keys) <= set(range(n))  # disjoint ranks
-        orders.append(keys)
-    assert orders[0] != orders[1] != orders[2]  # a new permutation every epoch
-    resumed = run(1)
-    assert resumed == [r[rows:] for r in full]  # epochs 1-2 as an uninterrupted run has them
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_eval_split_covers_every_val_image_once(ray_local, folder, world):
     datasets, _, counts = build_datasets("imagefolder", folder, SIZE,
@@ -444,9 +401,8 @@ def _probe_loop(config):
     rank = ray.train.get_context().get_world_rank()
     train_it = ray.train.get_dataset_shard("train")
     val_it = ray.train.get_dataset_shard("val")
-    batches = iter(iter_batches(train_it, 4, "cpu", train=True))  # the epochs, one stream
-    steps = [sum(1 for _ in itertools.islice(batches, config["steps"])) for _ in range(2)]
-    assert next(batches, None) is None  # and nothing after the last epoch
+    steps = [sum(1 for _ in iter_batches(train_it, 4, "cpu", train=True))
+             for _ in range(2)]
     seen = torch.tensor([sum(len(y) for _, y, _ in
                              iter_batches(val_it, 4, "cpu", train=False))])
     dist.all_reduce(seen)  # once, after the pass: ranks' val counts differ
@@ -459,24 +415,19 @@ def test_torchtrainer_two_workers_equal_steps_exact_eval(ray_local, folder, tmp_
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrain.data.listing import take_listing
-    from raytrain.data.pipeline import train_streams
-
-    listing = take_listing("imagefolder", folder)
-    datasets, _, counts = build_datasets("imagefolder", folder, SIZE, seed=0, listing=listing)
+    datasets, _, counts = build_datasets("imagefolder", folder, SIZE, seed=0)
     assert check_data_cpus(2, 2, 0.5, data_cpus=1) == 1
-    expected = steps_per_epoch(counts["train"], 2, 4)
     reserve_data_cpus(1)  # before the trainer copies the DataContext
-    try:  # the train split as a run has it: one stream per rank through both epochs
+    try:
         trainer = TorchTrainer(
-            _probe_loop, train_loop_config={"out": str(tmp_path), "steps": expected},
+            _probe_loop, train_loop_config={"out": str(tmp_path)},
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            datasets=datasets, dataset_config=data_config(
-                None, train_streams(listing, folder, SIZE), 2, lambda world: expected * 4),
+            datasets=datasets, dataset_config=data_config(),
             run_config=RunConfig(name="probe", storage_path=str(tmp_path / "runs")))
         run_with_timeout(trainer.fit, timeout=240)
     finally:
         reserve_data_cpus(None)
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    expected = steps_per_epoch(counts["train"], 2, 4)
     assert [r["steps"] for r in ranks] == [[expected] * 2] * 2
     assert [r["val_seen"] for r in ranks] == [counts["val"]] * 2

@@ -193,8 +193,7 @@ class DecodeFn:
         labels = np.asarray(batch["label"], dtype=np.int64)
         keys = np.array([_key_of(batch, i, datas[i]) for i in range(n)], dtype=np.int64)
         names = batch.get("path")
-        # Listing rows carry their epoch (ListingRows); Parquet's is the execution's.
-        epoch = int(batch["epoch"][0]) if len(batch.get("epoch", ())) else epoch_index()
+        epoch = epoch_index()
         if self.bytes_only:
             return {"bytes": np.array(datas, dtype=object), "label": labels, "key": keys,
                     "epoch": np.full(n, epoch, np.int64),

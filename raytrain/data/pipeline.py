@@ -20,7 +20,7 @@ processes, which import this module (and no torch).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import numpy as np
 
@@ -41,34 +41,28 @@ class ListingRows:
     order, and applies ``fn`` to them: task ``t`` takes rows ``order[t*k:(t+1)*k]`` of the
     listing (``k`` = ``rows_per_task``), where ``order`` is a permutation drawn from
     ``(seed, epoch)`` when ``shuffle`` and the listing's order otherwise. Each epoch reads every
-    row exactly once. ``fn`` (``DecodeFn``, ``pack.PackFn``) runs in the same task, and gets
-    the rows' epoch as an ``epoch`` column: a separate ``map_batches`` would not fuse with the
-    task-index read, and Ray Data would bundle the tiny index blocks into one task.
-
-    ``span``: ``None``: one epoch per execution, the epoch being Ray Data's execution index.
-    ``EpochSpan(first, rows, start)``: task ``i`` is epoch ``first + i // tasks`` (``tasks``
-    = ``ceil(rows / k)``), rows ``start .. start + rows`` of that epoch's order: one execution
-    that runs through many epochs (``EpochStreams``).
+    row exactly once. ``fn`` (``DecodeFn``, ``pack.PackFn``) runs in the same task: a separate
+    ``map_batches`` would not fuse with the task-index read, and Ray Data would bundle the
+    tiny index blocks into one task.
 
     This is the whole shuffle: it needs no all-to-all ``random_shuffle`` (a barrier that held
     every epoch's first decode back by ~0.7 s on 1,500 files) and moves no pixels. The listing
-    travels once through the object store (``ref``); each process keeps it, and the epochs'
-    orders, in ``_ROWS_CACHE``.
+    travels once through the object store (``ref``); each process keeps it, and the epoch's
+    order, in ``_ROWS_CACHE``.
     """
 
     def __init__(self, ref, n: int, rows_per_task: int, shuffle: bool, seed: int,
-                 fn: Callable[[dict], dict], span: "EpochSpan | None" = None):
+                 fn: Callable[[dict], dict]):
         self.ref, self.n, self.k, self.shuffle, self.seed = ref, n, rows_per_task, shuffle, seed
-        self.fn, self.span = fn, span
+        self.fn = fn
 
     def _order(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
         key = (self.ref.hex(), epoch)
         if key not in _ROWS_CACHE:
-            for old in [k for k in _ROWS_CACHE if isinstance(k, tuple) and k[0] == key[0]
-                        and k[1] < epoch - 1]:
-                del _ROWS_CACHE[old]  # this epoch's and the last one's orders at most
+            for old in [k for k in _ROWS_CACHE if isinstance(k, tuple) and k[0] == key[0]]:
+                del _ROWS_CACHE[old]  # one epoch's order per listing at a time
             _ROWS_CACHE[key] = np.random.default_rng(
                 [self.seed & 0xFFFFFFFF, epoch, 0x5EED]).permutation(self.n)
         return _ROWS_CACHE[key]
@@ -79,79 +73,27 @@ class ListingRows:
         if self.ref.hex() not in _ROWS_CACHE:
             _ROWS_CACHE[self.ref.hex()] = ray.get(self.ref)
         table = _ROWS_CACHE[self.ref.hex()]
-        span = self.span or EpochSpan(epoch_index(), self.n)
-        tasks = -(-span.rows // self.k)
-        for i in np.asarray(batch["id"], np.int64):
-            epoch, t = span.first + int(i) // tasks, int(i) % tasks
-            order = self._order(epoch)
-            lo = span.start + t * self.k
-            hi = span.start + min((t + 1) * self.k, span.rows)
+        order = self._order(epoch_index())
+        for t in np.asarray(batch["id"], np.int64):
+            lo, hi = int(t) * self.k, min(int(t + 1) * self.k, self.n)
             rows = table.slice(lo, hi - lo) if order is None else table.take(order[lo:hi])
-            cols = {c: rows.column(c).to_numpy(zero_copy_only=False) for c in rows.column_names}
-            yield self.fn({**cols, "epoch": np.full(hi - lo, epoch, np.int64)})
-
-
-class EpochSpan(NamedTuple):
-    """Epochs ``first, first + 1, ...``, rows ``start .. start + rows`` of each one's order."""
-
-    first: int
-    rows: int
-    start: int = 0
+            yield self.fn({c: rows.column(c).to_numpy(zero_copy_only=False)
+                           for c in rows.column_names})
 
 
 def listing_dataset(table, rows_per_task: int, shuffle: bool, seed: int,
                     fn: Callable[[dict], dict]):
     """A Ray Data dataset of ``fn`` applied to the listing's rows (a numpy batch of ``path``,
-    ``label``, ``row``, ``size``, ``epoch``), ``rows_per_task`` rows per call and task, in a
-    new order every epoch when ``shuffle`` (see ``ListingRows``)."""
-    return EpochStreams(table, rows_per_task, shuffle, seed, fn).per_execution()
+    ``label``, ``row``, ``size``), ``rows_per_task`` rows per call and task, in a new order
+    every epoch when ``shuffle`` (see ``ListingRows``)."""
+    import ray
+    import ray.data
 
-
-class EpochStreams:
-    """An image folder's train split as one Ray Data execution per rank that runs through all
-    of a run's epochs (``for_rank``), or as one execution per epoch (``per_execution``).
-
-    Rank ``r`` of ``world`` gets rows ``r*R .. (r+1)*R`` of every epoch's permutation (``R`` =
-    the steps of an epoch x the rank's step batch: the same count on every rank, so DDP's
-    step counts match; the ``n - world*R`` rows left over are other ones each epoch), in
-    order (``preserve_order``), so a batch never mixes two epochs. Across epochs the decode
-    tasks never stop: the next epoch's first batches are decoded while this one's last are
-    trained on, where a new execution per epoch pays its start (0.3-0.7 s on 2 CPUs) and
-    leaves the data CPUs idle in its tail every epoch. Picklable (the listing travels once,
-    as an object reference): ``data_config`` builds the rank streams in Train's controller.
-    """
-
-    def __init__(self, table, rows_per_task: int, shuffle: bool, seed: int,
-                 fn: Callable[[dict], dict]):
-        import ray
-
-        self.n, self.k, self.shuffle, self.seed, self.fn = (
-            table.num_rows, rows_per_task, shuffle, seed, fn)
-        self.ref = ray.put(table)
-
-    def _dataset(self, tasks: int, span: EpochSpan | None):
-        import ray.data
-
-        rows = ListingRows(self.ref, self.n, self.k, self.shuffle, self.seed, self.fn, span)
-        return fast_context(ray.data.range(tasks, override_num_blocks=tasks).map_batches(
-            rows, batch_size=None, batch_format="numpy"))
-
-    def per_execution(self):
-        """Every execution one epoch of all ``n`` rows (Ray Data's execution index = epoch)."""
-        return self._dataset(max(1, -(-self.n // self.k)), None)
-
-    def for_rank(self, first_epoch: int, epochs: int, rank: int, rows: int, options=None):
-        """Epochs ``first_epoch`` .. ``first_epoch + epochs - 1`` (from 0) of rank ``rank``:
-        rows ``rank*rows .. (rank+1)*rows`` of each, in order. ``options``: Ray Data
-        ``ExecutionOptions`` to run it with (a copy; ``preserve_order`` is set)."""
-        import copy
-
-        tasks = -(-rows // self.k) * max(epochs, 1)
-        ds = self._dataset(tasks, EpochSpan(first_epoch, rows, rank * rows))
-        if options is not None:
-            ds.context.execution_options = copy.deepcopy(options)
-        ds.context.execution_options.preserve_order = True
-        return ds
+    n = table.num_rows
+    tasks = max(1, -(-n // rows_per_task))
+    return ray.data.range(tasks, override_num_blocks=tasks).map_batches(
+        ListingRows(ray.put(table), n, rows_per_task, shuffle, seed, fn), batch_size=None,
+        batch_format="numpy")
 
 
 def fast_context(ds):
@@ -165,71 +107,53 @@ def fast_context(ds):
 
 
 def build_datasets(dataset: str, data_dir: str, image_size: int, augment: bool = True,
-                   seed: int = 0, decode_on_worker: bool = False, decode_batch: int = 64,
-                   listing=None) -> tuple[dict[str, Any], list[str], dict[str, int]]:
+                   seed: int = 0, decode_on_worker: bool = False, decode_batch: int = 64
+                   ) -> tuple[dict[str, Any], list[str], dict[str, int]]:
     """Driver side: ``({"train": ds, "val": ds}, class_names, {"train": n, "val": n})``.
 
     Lists once (imagefolder) or checks every Parquet footer (parquet); raises ConfigError before
-    anything runs (``listing``: a ``take_listing`` result to use instead). ``train`` is
-    reshuffled every epoch from ``(seed, epoch)``: for imagefolder a full permutation of the
-    small listing rows (paths, not pixels; ``ListingRows``), one execution per epoch here
-    (``train_streams`` gives the one-execution-per-rank form a run uses); for Parquet the file
-    order plus the row order written by ``raytrain.pack`` (a global shuffle of encoded bytes
-    would move the whole dataset through the object store every epoch). ``val`` keeps its
+    anything runs. ``train`` is reshuffled every epoch from ``(seed, epoch)``: for imagefolder a
+    full permutation of the small listing rows (paths, not pixels; ``ListingRows``); for Parquet
+    the file order plus the row order written by ``raytrain.pack`` (a global shuffle of encoded
+    bytes would move the whole dataset through the object store every epoch). ``val`` keeps its
     order. Each imagefolder task reads and decodes ``decode_batch`` images.
     """
     import ray.data
 
-    listing = listing or take_listing(dataset, data_dir)
+    listing = take_listing(dataset, data_dir)
     if image_size < 8:
         raise ConfigError("image_size", image_size, "an integer >= 8")
     fs = resolve_fs(data_dir)[0]
     out = {}
     class_names, counts = listing.class_names, listing.counts
     for split in ("train", "val"):
-        train = split == "train"
+        fn = DecodeFn(fs, image_size, split == "train" and augment, seed,
+                      bytes_only=decode_on_worker)
         if dataset == "imagefolder":
-            ds = train_streams(listing, data_dir, image_size, augment, seed, decode_on_worker,
-                               decode_batch, split).per_execution()
+            ds = listing_dataset(listing.tables[split], decode_batch, shuffle=split == "train",
+                                 seed=seed, fn=fn)
         else:
             from ray.data import FileShuffleConfig
 
-            fn = DecodeFn(fs, image_size, train and augment, seed, bytes_only=decode_on_worker)
             paths = listing.files[split]
             shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True) \
-                if train else None
+                if split == "train" else None
             ds = ray.data.read_parquet(paths, filesystem=fs, shuffle=shuffle,
                                        columns=parquet_columns(fs, paths[0]))
-            ds = fast_context(ds.map_batches(fn, batch_size=decode_batch, batch_format="numpy"))
-        out[split] = ds
+            ds = ds.map_batches(fn, batch_size=decode_batch, batch_format="numpy")
+        out[split] = fast_context(ds)
     return out, class_names, counts
-
-
-def train_streams(listing, data_dir: str, image_size: int, augment: bool = True, seed: int = 0,
-                  decode_on_worker: bool = False, decode_batch: int = 64, split: str = "train"
-                  ) -> EpochStreams:
-    """An image folder's split (a ``take_listing`` result) as ``EpochStreams``: shuffled and
-    randomly cropped (with ``augment``) when it is the train split."""
-    train = split == "train"
-    fn = DecodeFn(resolve_fs(data_dir)[0], image_size, train and augment, seed,
-                  bytes_only=decode_on_worker)
-    return EpochStreams(listing.tables[split], decode_batch, train, seed, fn)
 
 
 # ---------------------------------------------------------------------------- Train config
 
 
-def data_config(start_epoch: Callable[[], int] | None = None,
-                train: EpochStreams | None = None, epochs: int = 0,
-                rank_rows: Callable[[int], int] | None = None):
+def data_config(start_epoch: Callable[[], int] | None = None):
     """``TorchTrainer(dataset_config=data_config())``: train split equally, val split exactly.
 
     ``train``: ``streaming_split(world, equal=True)``: every rank gets the same number of rows,
     so with the same batch size and ``drop_last`` every rank runs the same number of steps (DDP
     hangs otherwise); up to world-1 rows per epoch are dropped, different ones each epoch.
-    With ``train`` (an image folder's ``EpochStreams``) instead: one execution per rank through
-    the run's remaining epochs (of ``epochs``), ``rank_rows(world)`` rows of every epoch each
-    (the epoch's steps x the rank's step batch).
     ``val``: ``streaming_split(world, equal=False)``: every row goes to exactly one rank (none
     dropped: Ray #63285), ranks get different counts, so evaluation must not run collectives per
     batch (use the unwrapped module; sum loss/correct/count and all-reduce once at the end).
@@ -239,7 +163,7 @@ def data_config(start_epoch: Callable[[], int] | None = None,
     ``start_epoch``: called (in Ray Train's dataset manager, each time a worker group starts)
     for the epoch the workers resume after; the pipelines' epoch count starts there, so a
     resumed run shuffles and crops epoch N+1 as an uninterrupted one would
-    (``ray_compat.set_data_execution_index``; the rank streams start at that epoch).
+    (``ray_compat.set_data_execution_index``).
     """
     import copy
 
@@ -247,29 +171,21 @@ def data_config(start_epoch: Callable[[], int] | None = None,
     from ray.train import DataConfig
 
     class StreamingDataConfig(DataConfig):
-        def __init__(self, start_epoch, train, epochs, rank_rows):
+        def __init__(self, start_epoch):
             super().__init__()
-            self.start_epoch, self.train, self.epochs = start_epoch, train, epochs
-            self.rank_rows = rank_rows
+            self.start_epoch = start_epoch
 
         def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
             output = [{} for _ in range(world_size)]
             start = self.start_epoch() if self.start_epoch is not None else 0
-            # The trainer's copy of the driver's options (what DataConfig's
-            # default_ingest_options carries over, without its deprecation warning)
-            options = DataContext.get_current().execution_options
             for name, ds in datasets.items():
                 if ds.name is None:
                     ds.set_name(name)
-                if name == "train" and self.train is not None:
-                    rows = self.rank_rows(world_size)
-                    for i in range(world_size):
-                        rank = self.train.for_rank(start, self.epochs - start, i, rows, options)
-                        rank.set_name(name)
-                        output[i][name] = rank.iterator()
-                    continue
                 ds = ds.copy(ds)
-                ds.context.execution_options = copy.deepcopy(options)
+                # The trainer's copy of the driver's options (what DataConfig's
+                # default_ingest_options carries over, without its deprecation warning)
+                ds.context.execution_options = copy.deepcopy(
+                    DataContext.get_current().execution_options)
                 ray_compat.set_data_execution_index(ds.context, start)
                 splits = ds.streaming_split(world_size, equal=name != "val",
                                             locality_hints=worker_node_ids)
@@ -277,7 +193,7 @@ def data_config(start_epoch: Callable[[], int] | None = None,
                     output[i][name] = split
             return output
 
-    return StreamingDataConfig(start_epoch, train, epochs, rank_rows)
+    return StreamingDataConfig(start_epoch)
 
 
 def steps_per_epoch(n_train: int, world: int, per_worker_batch: int, drop_last: bool = True

@@ -11,7 +11,6 @@ Inside ``train_loop_per_worker`` (every rank calls ``get_dataset_shard``)::
 
 from __future__ import annotations
 
-import itertools
 import os
 import warnings
 from typing import Any, Iterator
@@ -86,11 +85,8 @@ class Streamed:
 
     def __init__(self, train_shard, val_shard, num_classes: int, n_train: int, n_val: int,
                  image_size: int, device, decode_on_worker: bool = False, seed: int = 0,
-                 augment: bool = True, spans_epochs: bool = False):
+                 augment: bool = True):
         self.train_shard, self.val_shard = train_shard, val_shard
-        # spans_epochs: the train shard is one stream through all epochs (pipeline.EpochStreams,
-        # each epoch exactly its steps' batches); else one pass of the shard is one epoch.
-        self.spans_epochs, self._train = spans_epochs, None
         self.num_classes, self.n_train, self.n_val = num_classes, n_train, n_val
         self.device = device
         self.decode = ({"size": image_size, "seed": seed, "train": augment}
@@ -111,14 +107,9 @@ class Streamed:
 
     def train_batches(self, epoch: int, rank: int, world: int, seed: int, steps: int,
                       per_worker_batch: int):
-        """This epoch's batches (Ray Data reshuffles and re-crops every epoch)."""
-        if not self.spans_epochs:
-            return iter_batches(self.train_shard, per_worker_batch, self.device, train=True,
-                                decode=self.decode)
-        if self._train is None:
-            self._train = iter(iter_batches(self.train_shard, per_worker_batch, self.device,
-                                            train=True, decode=self.decode))
-        return itertools.islice(self._train, steps)
+        """This epoch's batches (Ray Data reshuffles and re-crops every pass)."""
+        return iter_batches(self.train_shard, per_worker_batch, self.device, train=True,
+                            decode=self.decode)
 
     def test_batches(self, rank: int, world: int, per_worker_batch: int):
         decode = dict(self.decode, train=False) if self.decode else None

@@ -233,38 +233,20 @@ def streaming_inputs(cfg: TrainConfig) -> dict[str, Any]:
     if not cfg.data.streaming:
         return {"train_loop_config": flat}
     from raytrain.data import pipeline
-    from raytrain.data.listing import take_listing
 
     d = cfg.data
     # Before the datasets are made: each keeps the DataContext of its making.
     pipeline.reserve_data_cpus(d.data_cpus, cfg.run.verbose)
-    listing = take_listing(d.dataset, d.data_dir)
     datasets, names, counts = pipeline.build_datasets(
         d.dataset, d.data_dir, d.image_size, augment=d.augment is not False, seed=cfg.run.seed,
-        decode_on_worker=d.decode == "worker", listing=listing)
+        decode_on_worker=d.decode == "worker")
     if os.path.isdir(cfg.run_dir):  # class names in label order, beside model.pt
         files.atomic_write(os.path.join(cfg.run_dir, "classes.json"), json.dumps(names))
-    # An image folder's train split: one Ray Data execution per rank through all the epochs
-    # (the next epoch's images decoded while this one's last are trained on).
-    train = pipeline.train_streams(
-        listing, d.data_dir, d.image_size, d.augment is not False, cfg.run.seed,
-        d.decode == "worker") if d.dataset == "imagefolder" else None
-    n_train, o = counts["train"], cfg.optim
-    flat["stream"] = {"num_classes": len(names), "n_train": n_train, "n_val": counts["val"],
-                      "spans_epochs": train is not None}
+    flat["stream"] = {"num_classes": len(names), "n_train": counts["train"],
+                      "n_val": counts["val"]}
     return {"train_loop_config": flat, "datasets": datasets,
             "dataset_config": pipeline.data_config(
-                functools.partial(latest_checkpoint_epoch, cfg.run_location), train, o.epochs,
-                functools.partial(_rank_rows, n_train, o))}
-
-
-def _rank_rows(n_train: int, optim, world: int) -> int:
-    """Train rows per rank and epoch: the epoch's steps x the step batch (what every rank
-    trains; the equal split's drop_last)."""
-    from raytrain.data.pipeline import steps_per_epoch
-
-    batch = optim.step_batch(world)
-    return max(1, steps_per_epoch(n_train, world, batch)) * batch
+                functools.partial(latest_checkpoint_epoch, cfg.run_location))}
 
 
 def _storage_failure(*args) -> str:

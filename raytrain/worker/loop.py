@@ -72,7 +72,7 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
     # The global batch is split over the workers actually running (elastic runs may have
     # fewer than --num-workers' maximum).
     batch = max(1, o.batch_size // worker.world)
-    micro = o.step_batch(worker.world)  # the per-step batch; one update per grad_accum
+    micro = max(1, batch // o.grad_accum)  # the per-step batch; one update per grad_accum
     steps = source.steps(worker.world, micro)
     updates = -(-steps // o.grad_accum)
     optimizer = make_optimizer(model, cfg)

@@ -64,8 +64,7 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
         source = Streamed(ray.train.get_dataset_shard("train"), ray.train.get_dataset_shard("val"),
                           stream["num_classes"], stream["n_train"], stream["n_val"],
                           cfg.data.image_size, worker.device, cfg.data.decode == "worker",
-                          cfg.run.seed, cfg.data.augment is not False,
-                          stream.get("spans_epochs", False))
+                          cfg.run.seed, cfg.data.augment is not False)
     run_worker(cfg, worker, report, resume, source)
     reports.wait()  # the last epoch reported before the train function returns
 
