@@ -270,8 +270,14 @@ class LocalCluster:
         self.node_ports: dict[int, int] = {}  # session id -> the node's raylet port
         self.address_file = AddressFileGuard()
 
+    # The GCS marks a node dead after this many failed health checks this far apart (Ray 2.60
+    # defaults: 5 x 3 s). A test's lost node is SIGKILLed: every check fails at once, so the
+    # shorter period only shortens the wait (a loaded machine's slow answer still has the
+    # default 10 s timeout per check).
+    HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+
     def start_head(self) -> int:
-        return self._start(self.head_argv, self.head_env, port=self.port,
+        return self._start(self.head_argv, {**self.head_env, **self.HEALTH_CHECKS}, port=self.port,
                            dashboard_port=self.dashboard_port, include_dashboard="true",
                            ray_client_server_port=free_port(""))
 
@@ -361,7 +367,9 @@ class LocalCluster:
         end_processes([p for p in self._ours({session}) if os.getsid(p.pid) == session])
 
     def stop(self) -> None:
-        end_processes(self._ours(set(self.sessions)))
+        # The whole test cluster goes: what ignores SIGTERM for 3 s is killed (10 s of grace
+        # here was 10 s of every module's teardown).
+        end_processes(self._ours(set(self.sessions)), grace_s=3)
         shutil.rmtree(self.base, ignore_errors=True)
         restored = self.address_file.restore(self.port)
         assert not restored, f"{DEFAULT_ADDRESS_FILE} named this test's cluster (now put back)"
