@@ -274,7 +274,8 @@ class LocalCluster:
     # defaults: 5 x 3 s). A test's lost node is SIGKILLed: every check fails at once, so the
     # shorter period only shortens the wait (a loaded machine's slow answer still has the
     # default 10 s timeout per check).
-    HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000",
+                     "RAY_health_check_failure_threshold": "3"}
 
     def start_head(self) -> int:
         return self._start(self.head_argv, {**self.head_env, **self.HEALTH_CHECKS}, port=self.port,
