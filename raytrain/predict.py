@@ -57,6 +57,8 @@ class PredictConfig:
                                    "(default 1; the tasks use every CPU left)")
     address: str | None = _opt(None, "existing Ray cluster (auto or HOST:PORT); default "
                                "$RAY_ADDRESS, else a new local cluster")
+    wait_timeout: float = _opt(60.0, "seconds to wait for room for the workers (CPUs or GPUs "
+                               "that other jobs hold) before failing")
     progress_every: float = _opt(10.0, "seconds between progress lines; 0 = off")
     verbose: bool = _opt(False, "Ray's and Ray Data's own logs and progress bars")
 
@@ -73,6 +75,7 @@ class PredictConfig:
                    "a whole number of pixels in [8, 1024]"),
                   ("cpus_per_worker", _positive(self.cpus_per_worker), "a number > 0"),
                   ("data_cpus", _positive(self.data_cpus), "a number of CPUs > 0"),
+                  ("wait_timeout", _positive(self.wait_timeout), "a number of seconds > 0"),
                   ("progress_every", self.progress_every >= 0, "seconds >= 0")]
         for key, ok, accepted in checks:
             if not ok:

@@ -275,6 +275,28 @@ def test_layout_with_no_cpu_left_on_the_connected_cluster(ray_cluster, tmp_path,
     assert time.monotonic() - t0 < 20
 
 
+def test_workers_that_cannot_start_fail_after_wait_timeout_not_hang(ray_cluster, tmp_path,
+                                                                   bare):
+    """The cluster's CPUs held by another job (a real placement group): the layout fits the
+    cluster's totals, but no actor can start. One line after --wait-timeout, no file."""
+    import ray
+    from ray.util import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    ray.get(pg.ready(), timeout=30)
+    try:
+        t0 = time.monotonic()
+        rc, _, err = _predict(str(bare / "model.pt"), "--model", "lenet", "--data-dir",
+                              str(bare / "imgs"), "--out", str(tmp_path / "p.csv"),
+                              "--wait-timeout", "3")
+        took = time.monotonic() - t0
+    finally:
+        remove_placement_group(pg)
+    assert rc == 1 and "--wait-timeout 3s: no room" in err, err
+    assert len(err.strip().splitlines()) == 1 and took < 30, (took, err)
+    assert not os.listdir(tmp_path)
+
+
 # ---------------------------------------------------------------------------- memory
 
 

@@ -166,8 +166,11 @@ class Predictor:
         return pa.table(cols)
 
 
-def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k: int):
-    """The lazy Dataset of prediction rows (nothing runs until it is iterated)."""
+def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k: int,
+                  wait_timeout: float = 60.0):
+    """The lazy Dataset of prediction rows (nothing runs until it is iterated). Its actors
+    must all start within ``wait_timeout`` s, else the run fails (``no_room``): Ray Data's
+    default waits for them forever, and a cluster whose CPUs other jobs hold then hangs."""
     import ray
     import ray.data
 
@@ -191,6 +194,7 @@ def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k
         compute=ray.data.ActorPoolStrategy(size=plan.num_workers),
         num_cpus=plan.cpus_per_worker,
         num_gpus=1 if plan.use_gpu else None, memory=actor_memory(weights, batch_size, spec))
+    ds.context.wait_for_min_actors_s = wait_timeout
     return fast_context(ds)
 
 
@@ -205,7 +209,15 @@ def actor_memory(weights: dict, batch_size: int, spec) -> int:
     return int(2 * params + 5 * batch_size * 3 * spec.image_size ** 2) + 64 * 2**20
 
 
-def run_failed(err: BaseException) -> RaytrainError:
+def run_failed(err: BaseException, plan: Plan, wait_timeout: float) -> RaytrainError:
+    import ray.exceptions
+
     from raytrain.errors import TrainingError, short
 
+    if isinstance(err, ray.exceptions.GetTimeoutError):  # the actors' start (build_dataset)
+        gpu = " + 1 GPU" if plan.use_gpu else ""
+        return TrainingError(f"prediction failed: --wait-timeout {wait_timeout:g}s: no room on "
+                             f"the cluster for {plan.num_workers} worker(s) x "
+                             f"{plan.cpus_per_worker:g} CPU{gpu} (other jobs hold its "
+                             "resources?); nothing was written")
     return TrainingError(f"prediction failed: {short(err)}")

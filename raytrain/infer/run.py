@@ -84,16 +84,18 @@ def _run(cfg, spec, weights, found, t0: float) -> Summary:
     plan = size_layout(total.get("CPU", 0.0), total.get("GPU", 0.0), cfg.num_workers,
                        cfg.use_gpu, cfg.cpus_per_worker, cfg.data_cpus)
     reserve_data_cpus(None, cfg.verbose)  # no cap: the actors are part of the pipeline
-    if not cfg.verbose:  # Ray Data's "execution finished" INFO line, its progress-bar note
-        import logging
+    if not cfg.verbose:  # Ray Data's "execution finished" INFO line, its progress-bar note,
+        import logging  # and its traceback of a failure this module words in one line
 
         logging.getLogger("ray.data").setLevel(logging.ERROR)
+        logging.getLogger("ray.data.exceptions").setLevel(logging.CRITICAL)
     print(f"predict: {found.n:,} {'images' if found.kind == 'images' else 'Parquet rows'} "
           f"under {found.data_dir}; {spec.model} ({spec.num_classes} classes, "
           f"{spec.image_size}px); {plan.num_workers} worker(s) x {plan.cpus_per_worker:g} CPU"
           + (" + 1 GPU" if plan.use_gpu else "") + f", {plan.data_cpus:g} CPUs left for "
           "decoding", flush=True)
-    ds = build_dataset(spec, weights, found, plan, cfg.batch_size, cfg.top_k)
+    ds = build_dataset(spec, weights, found, plan, cfg.batch_size, cfg.top_k,
+                       cfg.wait_timeout)
     progress = Progress(found.n, cfg.progress_every)
     errors = 0
     try:
@@ -108,7 +110,7 @@ def _run(cfg, spec, weights, found, t0: float) -> Summary:
     except KeyboardInterrupt:
         raise
     except Exception as err:  # a Ray task/actor failure: one line, exit 1
-        raise run_failed(err) from None
+        raise run_failed(err, plan, cfg.wait_timeout) from None
     return Summary(out.rows, errors, time.monotonic() - t0, cfg.out)
 
 
