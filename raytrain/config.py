@@ -76,8 +76,9 @@ class ClusterConfig:
                               "start --head` so it and its dashboard outlive the run")
     wait_timeout: float = _opt(60.0, "seconds to wait for room for the workers before "
                                "failing: at the start for an autoscaling cluster (or MIN "
-                               "elastic workers), and after a node is lost for it to come "
-                               "back or another to join (the checkpoints are kept)")
+                               "elastic workers) or for CPUs/GPUs other jobs hold, and after "
+                               "a node is lost for it to come back or another to join (the "
+                               "checkpoints are kept)")
 
     def __post_init__(self) -> None:
         self.num_workers = parse_num_workers(self.num_workers)

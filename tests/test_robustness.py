@@ -46,6 +46,33 @@ def test_use_gpu_without_gpus_fails_fast(ray_cluster, tmp_path, capsys):
     assert "1 GPU" in err and "0 GPUs" in err and "drop --use-gpu" in err
 
 
+def test_workers_whose_cpus_other_jobs_hold_wait_then_stop_in_one_line(ray_cluster, tmp_path,
+                                                                      capfd):
+    """The session cluster's 2 CPUs held by another job (a real placement group): the run fits
+    the cluster's totals, so it starts, says it waits --wait-timeout, then stops in one line
+    (Ray Train alone: 4 x 60 s of worker-group start timeouts, then its own error)."""
+    import ray
+    from ray.util import placement_group, remove_placement_group
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    ray.get(pg.ready(), timeout=30)
+    try:
+        start = time.monotonic()
+        rc = fit.main(["--num-workers", "1", "--dataset", "digits", "--epochs", "1",
+                       "--wait-timeout", "4", "--storage-path", str(tmp_path), "--name", "held"])
+        took = time.monotonic() - start
+    finally:
+        remove_placement_group(pg)
+    out, err = capfd.readouterr()
+    assert rc == 1 and took < 60, (took, err)
+    assert "other jobs hold the cluster's resources" in out, out
+    errors = [line for line in err.splitlines() if line.startswith("raytrain: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "raytrain: error: --wait-timeout 4s: no room for 1 worker(s) free on the cluster "
+        "(other jobs hold the rest)"), err
+    assert not metrics(tmp_path / "held")
+
+
 def test_nan_loss_stops_the_run_naming_epoch_and_step(ray_cluster, tmp_path, capsys):
     rc = fit.main(["--num-workers", "2", "--dataset", "digits", "--lr", "1e8", "--epochs",
                    "3", "--storage-path", str(tmp_path), "--name", "nan"])

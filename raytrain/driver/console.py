@@ -118,8 +118,9 @@ class EpochPrinter(Poller):
     """Prints epochs and worker failures as the run records them (the driver is blocked in
     fit(); the Train controller, on the driver's node, writes the files)."""
 
-    def __init__(self, run_dir: str, epochs: int, out=sys.stdout):
-        self.run_dir, self.epochs, self.out = run_dir, epochs, out
+    def __init__(self, run_dir: str, epochs: int, out=None):
+        # sys.stdout now, not at import: a redirected stdout (contextlib, pytest) sees the lines
+        self.run_dir, self.epochs, self.out = run_dir, epochs, out or sys.stdout
         self.seen = {_row_key(r) for r in read_metrics(run_dir)}
         self.events = len(files.read_jsonl(os.path.join(run_dir, EVENTS_FILE)))
         self.printed: list[tuple[float, int]] = []  # (time printed, epoch) for the ETA

@@ -33,6 +33,7 @@ from raytrain.errors import NoRoom
 PROBE_TIMEOUT_S = 1.0  # a raylet that does not accept a TCP connection within this is gone
 NOTE_EVERY_S = 15.0  # while waiting, a "still waiting" line this often
 WAIT_SLEEP_S = 1.0  # between looks while waiting (the controller's loop would spin)
+HELD_QUIET_S = 5.0  # CPUs other jobs hold: waited this long before it is said (NodeWatch.unheld)
 
 
 def reachable(node: dict[str, Any], timeout: float = PROBE_TIMEOUT_S) -> bool:
@@ -64,6 +65,7 @@ class NodeWatch:
         self.known: dict[str, str] | None = None  # node id -> IP at the last look
         self.workers: int | None = None  # the size of the latest worker group started
         self.waiting_since: float | None = None
+        self.held_since: float | None = None  # room by the totals, held by others since
         self.noted_at = 0.0
         self.metrics_seen: tuple[float, int] | None = None  # metrics.jsonl (mtime, size)
         self.checked_epoch: int | None = None
@@ -75,6 +77,14 @@ class NodeWatch:
         while there is no room for ``min_workers`` (after ``WAIT_SLEEP_S``: call again). Past
         --wait-timeout of waiting: NoRoom (the controller stops the run on it)."""
         room = self.look()
+        if room < self.min_workers:
+            self.held_since = None  # the nodes' totals are short: nodes, not other jobs
+        elif self.workers is None:
+            free = self.unheld(room)
+            if free is None:  # held for a moment: look again, quietly
+                time.sleep(WAIT_SLEEP_S)
+                return None
+            room = free
         if room < self.min_workers:
             self._wait(room)
             return None
@@ -130,17 +140,37 @@ class NodeWatch:
         self.known = now
         return room
 
+    def unheld(self, room: int) -> int | None:
+        """Before the first worker group: ``room`` less what other jobs hold now (the cluster's
+        free resources summed: a worker's share could be split over nodes, an overestimate by
+        a worker at worst). Else Ray Train would wait 60 s for its placement group, fail, and
+        retry that 3 more times. None while the shortfall is younger than HELD_QUIET_S: an
+        ended Tune trial's group being freed is not worth a line on the console. (Restarts
+        are not looked at: the controller decides before it frees the last group's CPUs.)"""
+        import ray
+
+        free = min(room, fits(ray.available_resources(), self.need))
+        if free >= self.min_workers:
+            self.held_since = None
+            return free
+        self.held_since = self.held_since or time.time()
+        return None if time.time() - self.held_since < HELD_QUIET_S else free
+
     def _wait(self, room: int) -> None:
-        t = time.time()
-        if self.waiting_since is None:
-            self.waiting_since = self.noted_at = t
-            self._event("waiting", room=room, need=self.min_workers, timeout_s=self.wait_timeout)
+        t, held = time.time(), self.held_since is not None
+        if self.waiting_since is None:  # held: counted from the first look that saw it
+            self.waiting_since = self.held_since or t
+            self.noted_at = t
+            self._event("waiting", room=room, need=self.min_workers, timeout_s=self.wait_timeout,
+                        held=held)
         elif t - self.waiting_since > self.wait_timeout:
             self._event("wait_timeout", room=room, need=self.min_workers,
                         timeout_s=self.wait_timeout)
+            where = ("free on the cluster (other jobs hold the rest)" if held
+                     else "on the cluster's live nodes")
             raise NoRoom(f"--wait-timeout {self.wait_timeout:g}s: no room for "
-                         f"{self.min_workers} worker(s) on the cluster's live nodes after "
-                         f"waiting (room for {room})")
+                         f"{self.min_workers} worker(s) {where} after waiting (room for "
+                         f"{room})")
         elif t - self.noted_at >= NOTE_EVERY_S:
             self.noted_at = t
             self._event("still_waiting", room=room, need=self.min_workers,
@@ -209,9 +239,10 @@ def event_line(event: dict[str, Any]) -> str | None:
         return (f"growing to {e['workers']} of {e['max_workers']} worker(s) after epoch "
                 f"{e['after_epoch']}: restarting from its checkpoint")
     if kind == "waiting":
+        why = ("other jobs hold the cluster's resources" if e.get("held") else
+               "a lost node must come back or another join")
         return (f"waiting up to {e['timeout_s']:g}s (--wait-timeout) for room for "
-                f"{e['need']} worker(s): the live nodes have room for {e['room']}; a lost "
-                "node must come back or another join")
+                f"{e['need']} worker(s): the live nodes have room for {e['room']}; {why}")
     if kind == "still_waiting":
         return (f"still waiting for room for {e['need']} worker(s) (room for {e['room']}); "
                 f"{e['left_s']}s left")
