@@ -45,6 +45,11 @@ def warn_once(key: str, lost: str) -> None:
                   RayCompatWarning, stacklevel=3)
 
 
+def _lost(key: str) -> None:
+    """Warn once that the FALLBACKS internal ``key`` is missing, with what that costs."""
+    warn_once(key, FALLBACKS[key][1])
+
+
 def _internal(module: str, name: str | None = None) -> Any:
     """``module`` (or its attribute ``name``); None when this Ray lacks it."""
     try:
@@ -120,11 +125,10 @@ def quiet_report_logs() -> None:
         logging.getLogger(module.__file__).setLevel(logging.WARNING)
 
 
-# FALLBACK (2026-12-04). A function run in every Train worker process as it starts
-# (raytrain.worker.warm). Ray reads the hook from this env var (_private/workers/
-# default_worker.py); the public runtime_env field "worker_process_setup_hook" becomes it in
-# the job's runtime_env only, and is silently ignored in an actor's. Missing: workers import
-# as they go.
+# FALLBACK (2026-12-04). A function run in every Train worker process as it starts (worker/
+# warm.py), read from this env var (_private/workers/default_worker.py); runtime_env's public
+# "worker_process_setup_hook" sets it in a job's runtime_env only, silently not in an actor's.
+# Missing: workers import as they go.
 SETUP_HOOK_ENV = "ray._private.ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 
 
@@ -137,13 +141,11 @@ def setup_hook_env(hook: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- driver side
 
 
-# FALLBACK. Which checkpoint directories Ray Train registered, read on the driver from the
-# run's checkpoint_manager_snapshot.json (Ray 2.60: train/v2/_internal/constants.py, written by
-# checkpoint_manager.py _save_state on every registration; a re-run resumes from its
-# latest_checkpoint_result). Rank 0 writes a checkpoint before report() registers it, so a
-# Ctrl-C between the two leaves one Ray never resumes from. Missing: every complete checkpoint
-# directory counts as registered (a resume may be announced from a later epoch) and none is
-# pruned.
+# FALLBACK. The checkpoint directories Ray Train registered: the run's checkpoint_manager_
+# snapshot.json (2.60 train/v2/_internal/constants.py; checkpoint_manager.py _save_state writes
+# it at every registration; a re-run resumes from its latest_checkpoint_result). A Ctrl-C between
+# rank 0's write and report() leaves one Ray never resumes from. Missing: every complete
+# checkpoint directory counts as registered (a resume may be announced later), none is pruned.
 CHECKPOINT_SNAPSHOT = "ray.train.v2._internal.constants.CHECKPOINT_MANAGER_SNAPSHOT_FILENAME"
 
 
@@ -153,7 +155,7 @@ def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
     filename = _internal("ray.train.v2._internal.constants",
                          "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME")
     if filename is None:
-        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        _lost(CHECKPOINT_SNAPSHOT)
         return None
     from raytrain import storage
 
@@ -164,44 +166,33 @@ def registered_checkpoints(run_dir: str) -> tuple[set[str], str | None] | None:
         snapshot = json.loads(data)
         results = [*snapshot["checkpoint_results"], *snapshot.get("pending_training_results", [])]
         latest = snapshot["latest_checkpoint_result"]
-        names = {r["checkpoint_dir_name"] for r in results}
-        return names | ({latest["checkpoint_dir_name"]} if latest else set()), \
-            latest["checkpoint_dir_name"] if latest else None
+        last = latest["checkpoint_dir_name"] if latest else None
+        return {r["checkpoint_dir_name"] for r in results} | ({last} if last else set()), last
     except (OSError, ValueError, KeyError, TypeError):
-        warn_once(CHECKPOINT_SNAPSHOT, _LOST_SNAPSHOT)
+        _lost(CHECKPOINT_SNAPSHOT)
         return None
 
 
-_LOST_SNAPSHOT = ("every complete checkpoint directory counts as Ray's; unregistered ones are "
-                  "not pruned")
-
-
-# FALLBACK. The CPUs a new local cluster gets (Ray 2.60 _private/utils.py get_num_cpus: cgroup
-# quota, else cpu_count()), so workers that cannot fit are refused before it starts. Missing:
-# os.cpu_count(), never fewer than Ray counts (a cgroup-limited machine is refused after).
+# FALLBACK. The CPUs a new local cluster gets (2.60 _private/utils.py get_num_cpus: cgroup quota,
+# else cpu_count()): workers that cannot fit are refused before it starts. Missing: cpu_count().
 LOCAL_CPUS = "ray._private.utils.get_num_cpus"
 
 
 def local_cpus() -> float:
     count = _internal("ray._private.utils", "get_num_cpus")
     if count is None:
-        warn_once(LOCAL_CPUS, _LOST_LOCAL_CPUS)
+        _lost(LOCAL_CPUS)
         return float(os.cpu_count() or 1)
     return float(count())
 
 
-_LOST_LOCAL_CPUS = "a local cluster's CPUs are counted with os.cpu_count()"
-
-
 # FALLBACK (2026-12-04). A new local cluster whose processes know its address. A Ray process
-# looking for "the" cluster (State API: services.py) takes $RAY_ADDRESS, else the
-# ray_current_cluster file: the last `ray start` here, dead or alive (Ray #45771, #27021). Train
-# 2.60's state actor calls ray.util.state.get_actor every 30 s holding the lock the controller's
-# last update needs: following a dead cluster, runs ended 40 s late (issue #27, py-spy). So the
-# GCS port ($RAY_GCS_SERVER_PORT, _private/node.py) and $RAY_ADDRESS are set before the cluster
-# starts. Missing: a stale file may stall a run's end by ~40 s.
+# seeking "the" cluster (State API: services.py) takes $RAY_ADDRESS, else the ray_current_cluster
+# file: the last `ray start` here, dead or alive (Ray #45771, #27021). Train 2.60's state actor
+# calls get_actor every 30 s holding the lock the controller's last update needs: following a
+# dead cluster, runs ended 40 s late (issue #27). So the GCS port ($RAY_GCS_SERVER_PORT, _private/
+# node.py) and $RAY_ADDRESS are set before it starts. Missing: a stale file may stall a run's end.
 GCS_PORT_ENV = "ray._private.ray_constants.GCS_PORT_ENVIRONMENT_VARIABLE"
-_LOST_GCS_PORT = "a new local cluster may follow a stale /tmp/ray address file (runs end late)"
 _saved_env: list[dict[str, str | None]] = []
 
 
@@ -216,7 +207,7 @@ def init_local(**kwargs):
     env: dict[str, str] = {}
     name = _internal("ray._private.ray_constants", "GCS_PORT_ENVIRONMENT_VARIABLE")
     if name is None:
-        warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+        _lost(GCS_PORT_ENV)
     else:
         with socket.socket() as sock:
             sock.bind(("", 0))
@@ -233,13 +224,28 @@ def init_local(**kwargs):
     if name is not None:  # the driver's own until shutdown(), then restored
         _saved_env.append({"RAY_ADDRESS": before["RAY_ADDRESS"]})
         if ctx.address_info.get("gcs_address") != env["RAY_ADDRESS"]:
-            warn_once(GCS_PORT_ENV, _LOST_GCS_PORT)
+            _lost(GCS_PORT_ENV)
             os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
     return ctx
 
 
+# FALLBACK (2026-12-06). ray.shutdown() ends the processes it started a kind at a time, SIGTERM
+# then up to 1 s each; the autoscaler's monitor, after the GCS, spends that second reporting its
+# death to the gone GCS (2.60 _private/node.py; `ray stop` ends it first since Ray #30672). It
+# is SIGKILLed first (_private/worker.py): 1.2 -> 0.4 s. Missing: Ray's order, 0.8 s slower.
+SHUTDOWN_ORDER = "ray._private.worker._global_node"
+
+
 def shutdown() -> None:
-    """``ray.shutdown()``, then the environment as it was before ``init_local``."""
+    """``ray.shutdown()`` (the monitor first: SHUTDOWN_ORDER), then the environment as it was
+    before ``init_local``."""
+    node = getattr(_internal("ray._private.worker"), "_global_node", None)
+    for info in (getattr(node, "all_processes", None) or {}).get("monitor", []):
+        try:
+            info.process.kill()
+            info.process.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - gone already; Ray's own shutdown does the rest
+            pass
     importlib.import_module("ray").shutdown()
     while _saved_env:
         _set_env(_saved_env.pop())
@@ -250,13 +256,12 @@ def _set_env(values: dict[str, str | None]) -> None:
         os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
-# FALLBACK. Start Ray Train's state actor (the dashboard's Train view reads it) as soon as Ray
-# is up, not on the controller's way to the first step. On a running cluster it is made as
-# Ray's get_or_create_state_actor does (train/v2/_internal/state/state_actor.py, 2.60) plus
-# $RAY_ADDRESS: its 30 s reconciliation asks the State API, which otherwise follows the
-# machine's ray_current_cluster file to a dead cluster (~40 s late ends, issue #27; see
-# GCS_PORT_ENV). An actor another run made is left as it is. Missing (or it fails): the
-# controller starts it as before, a second or two later.
+# FALLBACK. Ray Train's state actor (the dashboard's Train view reads it) started as Ray is up,
+# not on the controller's way to the first step; on a running cluster made as Ray's
+# get_or_create_state_actor does (2.60 train/v2/_internal/state/state_actor.py) plus
+# $RAY_ADDRESS: its 30 s reconciliation asks the State API, else led by a stale address file to
+# a dead cluster (runs end ~40 s late, issue #27; GCS_PORT_ENV). One another run made is left
+# alone. Missing (or it fails): the controller starts it, a second or two later.
 STATE_ACTOR = "ray.train.v2._internal.state.state_actor.get_or_create_state_actor"
 
 
@@ -264,7 +269,7 @@ def start_train_state_actor(address: str | None = None) -> None:
     """``address``: the GCS of the running cluster the driver joined (None: one it started)."""
     m = _internal("ray.train.v2._internal.state.state_actor")
     if getattr(m, "get_or_create_state_actor", None) is None:
-        warn_once(STATE_ACTOR, "the Train state actor starts with the controller, later")
+        _lost(STATE_ACTOR)
         return
 
     def setting(name: str) -> str:  # as Ray reads it, from the creating process's env
@@ -287,10 +292,9 @@ def start_train_state_actor(address: str | None = None) -> None:
         pass
 
 
-# FALLBACK. The autoscaler's node types from the GCS (ray._private.state, no public API). Ray
-# 2.60 never writes that key under either autoscaler (get_cluster_config() is None on a
-# `ray up` cluster), so driver/preflight.py then reads the `ray up` bootstrap config itself.
-# Missing: the same bootstrap-config path is taken.
+# FALLBACK. The autoscaler's node types from the GCS (ray._private.state, no public API); Ray
+# 2.60 never writes that key (None on a `ray up` cluster), so driver/preflight.py then reads the
+# `ray up` bootstrap config itself. Missing: that bootstrap-config path is taken.
 CLUSTER_CONFIG = "ray._private.state.state.get_cluster_config"
 
 
@@ -299,8 +303,7 @@ def cluster_config():
     state = _internal("ray._private.state", "state")
     get = getattr(state, "get_cluster_config", None)
     if get is None:
-        warn_once(CLUSTER_CONFIG, "autoscaling node types come from the `ray up` bootstrap "
-                  "config only")
+        _lost(CLUSTER_CONFIG)
         return None
     try:
         return get()
@@ -308,14 +311,12 @@ def cluster_config():
         return None
 
 
-# FALLBACK. A TorchTrainer without the processes a run has no use for (seconds each before
-# the first step on a small machine): DatasetsCallback's DatasetManager actor when there are no
-# datasets; PlacementGroupCleanerCallback's detached cleaner where the driver exits right after
-# the controller (Ray frees a finished job's groups; kept in Tune trials); the scaling policies'
-# requests to Ray Data's autoscaling coordinator where preflight found no autoscaling node
-# types (driver/nodes.NodeWatch sizes the groups). Uses the private TorchTrainer methods and
-# the internal classes below. Missing: Ray's own TorchTrainer runs unchanged (a few seconds
-# more to the first step; a lost node costs Ray's 60 s start timeouts, driver/nodes.py).
+# FALLBACK. A TorchTrainer (its private methods, the internal classes below) without what a run
+# has no use for (seconds each to the first step on a small machine): DatasetsCallback's actor
+# without datasets; PlacementGroupCleanerCallback's detached cleaner where the driver exits right
+# after the controller (Ray frees a finished job's groups; kept in Tune trials); requests to Ray
+# Data's autoscaling coordinator where no node type can be added (driver/nodes.NodeWatch sizes
+# the groups). Missing: Ray's TorchTrainer (a few s to the first step; 60 s start timeouts).
 TRAINER_INTERNALS = ("TorchTrainer._create_default_callbacks/_initialize_and_run_controller, "
                      "ray.train.v2._internal callbacks, FixedScalingPolicy, Noop/ResizeDecision")
 _CALLBACKS = "ray.train.v2._internal.callbacks"
@@ -340,7 +341,7 @@ def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=No
     if classes is None:
         from ray.train.torch import TorchTrainer
 
-        warn_once(TRAINER_INTERNALS, FALLBACKS[TRAINER_INTERNALS][1])
+        _lost(TRAINER_INTERNALS)
         return TorchTrainer(*args, **kwargs)
     return classes["Trainer"](*args, fixed_cluster=fixed_cluster,
                               driver_outlives_run=driver_outlives_run, watch=watch, **kwargs)
@@ -412,15 +413,12 @@ def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPoli
 
 
 # FALLBACK. Placement groups of dead Train controllers (tune/placement.py): a trial Tune ends
-# takes its controller with it, which never removes its workers' group, and Ray keeps a group
-# until the driver's job ends; Ray 2.60's PlacementGroupCleaner fails when several clusters
-# share a machine (Ray #54305). Found by creator in the GCS table (ray._private.state), removed
-# by id (ray._raylet.PlacementGroupID); controllers recorded by a WorkerGroupCallback. Missing:
-# a search may hold the CPUs of trials Tune ended until it ends.
+# takes its controller along, which never removes its workers' group, kept until the driver's
+# job ends; 2.60's PlacementGroupCleaner fails with several clusters on a machine (Ray #54305).
+# Found by creator in the GCS table (ray._private.state), removed by id (ray._raylet), the
+# controllers recorded by a WorkerGroupCallback. Missing: a search may hold ended trials' CPUs.
 PLACEMENT_GROUPS = ("the placement-group table (ray._private.state, ray._raylet."
                     "PlacementGroupID) and WorkerGroupCallback")
-_LOST_REAPER = ("placement groups of ended trials are not removed until the search ends; "
-                "later trials may wait for their CPUs")
 
 
 def worker_group_callback_base() -> type:
@@ -440,7 +438,7 @@ def has_placement_group_table() -> bool:
 def can_reap_placement_groups() -> bool:
     if has_placement_group_table():
         return True
-    warn_once(PLACEMENT_GROUPS, _LOST_REAPER)
+    _lost(PLACEMENT_GROUPS)
     return False
 
 
@@ -466,11 +464,10 @@ def remove_placement_group(pg_hex: str) -> None:
     remove(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_hex))))
 
 
-# FALLBACK. ASHA's late check (tune/asha.py): Ray's ASHA decides once per rung, so trials that
-# race through rungs together all go on; the late check re-asks at later reports. It reads the
-# scheduler's _trial_info/_metric/_time_attr/_num_stopped and the bracket's _rungs/cutoff()
-# (tune/schedulers/async_hyperband.py). Missing: Ray's plain ASHA decides alone (more trials
-# run to the end; the search is otherwise the same).
+# FALLBACK. ASHA's late check (tune/asha.py): Ray's ASHA decides once per rung, so trials racing
+# through rungs together all go on; the check re-asks at later reports, reading the scheduler's
+# _trial_info/_metric/_time_attr/_num_stopped and the bracket's _rungs/cutoff() (tune/
+# schedulers/async_hyperband.py). Missing: Ray's plain ASHA alone (more trials run to the end).
 ASHA_INTERNALS = "ASHAScheduler._trial_info/_metric/_time_attr and _Bracket._rungs/cutoff"
 
 
@@ -492,7 +489,7 @@ def asha_rungs(scheduler, trial_id: str) -> tuple[list, Callable] | None:
         bracket = scheduler._trial_info[trial_id]
         return bracket._rungs, bracket.cutoff
     except (AttributeError, KeyError):
-        warn_once(ASHA_INTERNALS, "Ray's plain ASHA runs, without raytrain's late check")
+        _lost(ASHA_INTERNALS)
         return None
 
 
@@ -525,7 +522,7 @@ RESULT_GRID_TRIALS = "ResultGrid._experiment_analysis"
 def result_grid_trials(grid) -> list:
     analysis = getattr(grid, "_experiment_analysis", None)
     if analysis is None:
-        warn_once(RESULT_GRID_TRIALS, "trial statuses are read back from the saved state")
+        _lost(RESULT_GRID_TRIALS)
         analysis = importlib.import_module("ray.tune").ExperimentAnalysis(grid.experiment_path)
     return list(analysis.trials)
 
@@ -533,12 +530,11 @@ def result_grid_trials(grid) -> list:
 # ---------------------------------------------------------------------------- Ray Data side
 
 
-# FALLBACK. The epoch of a streamed dataset (data/decode.py): Ray Data counts a dataset's
-# executions in DataContext's private ``_execution_idx`` (data/context.py; shuffles reseed from
-# it). Under Train each epoch's pass is one execution: the decode tasks seed their crops with
-# it, and a group resumed from an epoch-N checkpoint sets it to N, so epoch N+1 is shuffled and
-# cropped as uninterrupted. Missing: crops seeded by (seed, image) alone (the same crop every
-# epoch), a resumed run reshuffles from epoch 1's order; each image still once per epoch.
+# FALLBACK. The epoch of a streamed dataset (data/decode.py): DataContext's private
+# ``_execution_idx`` counts a dataset's executions (data/context.py; shuffles reseed from it),
+# one per epoch under Train: decode tasks seed crops with it; a group resumed from epoch N sets
+# it to N, so epoch N+1 is shuffled and cropped as uninterrupted. Missing: crops seeded by (seed,
+# image) alone, a resumed run reshuffles from epoch 1's order; each image still once an epoch.
 DATA_EXECUTION_INDEX = "DataContext._execution_idx"
 
 
@@ -548,7 +544,7 @@ def data_execution_index() -> int:
 
     idx = getattr(DataContext.get_current(), "_execution_idx", None)
     if idx is None:
-        warn_once(DATA_EXECUTION_INDEX, FALLBACKS[DATA_EXECUTION_INDEX][1])
+        _lost(DATA_EXECUTION_INDEX)
         return 0
     return int(idx)
 
@@ -558,7 +554,7 @@ def set_data_execution_index(context, index: int) -> None:
     if hasattr(context, "_execution_idx"):
         context._execution_idx = int(index)
     else:
-        warn_once(DATA_EXECUTION_INDEX, FALLBACKS[DATA_EXECUTION_INDEX][1])
+        _lost(DATA_EXECUTION_INDEX)
 
 
 def _has_data_execution_index() -> bool:
@@ -580,16 +576,20 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     TRAINER_INTERNALS: (lambda: _trainer_internals() is not None,
                         "Ray Train's own TorchTrainer runs, with its dataset manager, "
                         "placement-group cleaner and autoscaling requests"),
-    PLACEMENT_GROUPS: (has_placement_group_table, _LOST_REAPER),
+    PLACEMENT_GROUPS: (has_placement_group_table, "placement groups of ended trials are not "
+                       "removed until the search ends; later trials may wait for their CPUs"),
     SETUP_HOOK_ENV: (lambda: bool(setup_hook_env("x")), "Train workers import as they go"),
     CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
                                             "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
-                          _LOST_SNAPSHOT),
+                          "every complete checkpoint directory counts as Ray's; unregistered "
+                          "ones are not pruned"),
     GCS_PORT_ENV: (lambda: _internal("ray._private.ray_constants",
                                      "GCS_PORT_ENVIRONMENT_VARIABLE") is not None,
-                   _LOST_GCS_PORT),
+                   "a new local cluster may follow a stale /tmp/ray address file (runs end late)"),
     LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
-                 _LOST_LOCAL_CPUS),
+                 "a local cluster's CPUs are counted with os.cpu_count()"),
+    SHUTDOWN_ORDER: (lambda: hasattr(_internal("ray._private.worker"), "_global_node"),
+                     "a local cluster's shutdown takes ~0.8 s longer"),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),
     DATA_EXECUTION_INDEX: (_has_data_execution_index,
                            "streamed crops are seeded by (seed, image) alone and a resumed run "

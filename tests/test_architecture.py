@@ -381,3 +381,12 @@ def test_checkpoint_snapshot_fallback_counts_every_complete_checkpoint(missing, 
 def test_setup_hook_fallback_is_no_env_var(missing):
     missing("ray._private.ray_constants")
     assert ray_compat.setup_hook_env("raytrain.worker.warm.start") == {}
+
+
+def test_shutdown_order_fallback_is_rays_own_shutdown(missing):
+    import ray
+
+    missing("ray._private.worker")
+    assert not ray.is_initialized()
+    ray_compat.shutdown()  # Ray's own shutdown (a no-op here), without the monitor first
+    assert not ray.is_initialized()
