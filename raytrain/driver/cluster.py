@@ -145,8 +145,6 @@ def _check_reachable(address: str) -> None:
                             ) from None
 
 
-
-
 def free_port(preferred: int = 0) -> int:
     """``preferred`` if nothing listens there on 127.0.0.1, else a port the OS picks."""
     with socket.socket() as sock:
