@@ -58,8 +58,13 @@ class NodeWatch:
     """Room for a run's workers on the live nodes, and the bounded wait for it."""
 
     def __init__(self, run_dir: str, need: dict[str, float], min_workers: int,
-                 max_workers: int, wait_timeout: float, checkpoint_every: int = 1):
+                 max_workers: int, wait_timeout: float, checkpoint_every: int = 1,
+                 held_is_waited: bool = True):
         self.run_dir, self.need = run_dir, dict(need)
+        # CPUs others hold: waited --wait-timeout (unheld). Not in a Tune trial: its siblings
+        # hold them (--max-concurrent-trials above what fits), and it waits as Ray Train does
+        # (its group's 60 s start timeout, retried 3 times)
+        self.held_is_waited = held_is_waited
         self.min_workers, self.max_workers = min_workers, max_workers
         self.wait_timeout, self.checkpoint_every = wait_timeout, checkpoint_every
         self.known: dict[str, str] | None = None  # node id -> IP at the last look
@@ -79,7 +84,7 @@ class NodeWatch:
         room = self.look()
         if room < self.min_workers:
             self.held_since = None  # the nodes' totals are short: nodes, not other jobs
-        elif self.workers is None:
+        elif self.workers is None and self.held_is_waited:
             free = self.unheld(room)
             if free is None:  # held for a moment: look again, quietly
                 time.sleep(WAIT_SLEEP_S)

@@ -185,10 +185,12 @@ def checkpoint_config(keep: int):
 
 
 def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
-                  driver_outlives_run: bool = False, record: str | None = None):
+                  driver_outlives_run: bool = False, record: str | None = None,
+                  trial: bool = False):
     """Ray Train's TorchTrainer for ``cfg``, less the actors this run has no use for
     (``ray_compat.make_trainer``). ``record``: a file where its controller notes itself
-    (``driver.placement``), so that what it leaves can be removed."""
+    (``driver.placement``), so that what it leaves can be removed. ``trial``: a Tune trial's
+    (CPUs its sibling trials hold are waited for as Ray Train waits: NodeWatch)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
@@ -206,7 +208,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
     # Where the workers fit after a node is lost or joins (a cluster that cannot grow; an
     # autoscaling one gets Ray's own policies, which ask its autoscaler): driver/nodes.py.
     watch = NodeWatch(cfg.run_dir, need, c.min_workers, c.max_workers, c.wait_timeout,
-                      cfg.run.checkpoint_every)
+                      cfg.run.checkpoint_every, held_is_waited=not trial)
     return ray_compat.make_trainer(
         train_loop_per_worker,
         fixed_cluster=not shape.can_grow, driver_outlives_run=driver_outlives_run, watch=watch,

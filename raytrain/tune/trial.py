@@ -77,7 +77,7 @@ def run_trial(config: dict[str, Any], base: dict[str, Any], shape: Shape, reap: 
         callbacks.append(RecordPlacementGroup(os.path.join(trial_dir, PG_FILE)))
     # Ray's placement-group cleaner (a detached actor: one more process per trial) only where
     # the driver's reaper cannot see this trial's record: a search on a bucket, on many nodes.
-    trainer = driver_run.build_trainer(cfg, shape, callbacks=callbacks,
+    trainer = driver_run.build_trainer(cfg, shape, callbacks=callbacks, trial=True,
                                        driver_outlives_run=not reap or storage.is_uri(location))
     if start:
         trainer.train_loop_per_worker = StartFrom(prepare_start(start, cfg, trial_dir))
