@@ -29,7 +29,8 @@ QUICK = {
 }
 # These start Ray clusters (a minute or more on 2 cores): their --quick runs when
 # RAYTRAIN_BENCH_QUICK=1; the suite checks they import and parse their flags.
-SLOW = {"launcher_overhead.py": ["--quick"], "tune_asha_vs_none.py": ["--quick"]}
+SLOW = {"launcher_overhead.py": ["--quick"], "tune_asha_vs_none.py": ["--quick"],
+        "shutdown.py": ["--quick"]}
 
 
 def test_every_script_is_smoke_tested():
