@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from raytrain import evaluate, predict
-from tests.helpers import fit_in_process, read_only_dir, upload_folder
+from tests.helpers import fit_in_process, read_only_dir, upload_folder, wait_until
 from tests.test_own_data import N_VAL, write_digits_folder
 
 
@@ -295,6 +295,10 @@ def test_workers_that_cannot_start_fail_after_wait_timeout_not_hang(ray_cluster,
     assert rc == 1 and "--wait-timeout 3s: no room" in err, err
     assert len(err.strip().splitlines()) == 1 and took < 30, (took, err)
     assert not os.listdir(tmp_path)
+    # The actor whose start timed out does not start (and hold a CPU) once the CPUs are free
+    wait_until(lambda: ray.available_resources().get("CPU") == 2, 15, "the CPUs all free")
+    time.sleep(3)
+    assert ray.available_resources().get("CPU") == 2
 
 
 # ---------------------------------------------------------------------------- memory

@@ -24,7 +24,7 @@ from raytrain import fit, report
 from raytrain.driver import preflight
 from raytrain.driver.run import latest_checkpoint_epoch
 from tests.helpers import (AWS, ONPREM, LocalCluster, free_port, metrics, small_tmpfs,
-                           wait_for_epoch, wait_gone)
+                           wait_for_epoch, wait_gone, wait_until)
 
 
 def test_oversized_worker_count_fails_fast_with_the_resource_message(ray_cluster, tmp_path,
@@ -71,6 +71,9 @@ def test_workers_whose_cpus_other_jobs_hold_wait_then_stop_in_one_line(ray_clust
         "raytrain: error: --wait-timeout 4s: no room for 1 worker(s) free on the cluster "
         "(other jobs hold the rest)"), err
     assert not metrics(tmp_path / "held")
+    wait_until(lambda: ray.available_resources().get("CPU") == 2, 15, "the CPUs all free")
+    time.sleep(3)  # nothing of the run starts late and holds one
+    assert ray.available_resources().get("CPU") == 2
 
 
 def test_nan_loss_stops_the_run_naming_epoch_and_step(ray_cluster, tmp_path, capsys):

@@ -97,7 +97,7 @@ def _run(cfg, spec, weights, found, t0: float) -> Summary:
     ds = build_dataset(spec, weights, found, plan, cfg.batch_size, cfg.top_k,
                        cfg.wait_timeout)
     progress = Progress(found.n, cfg.progress_every)
-    errors = 0
+    errors, failure = 0, None
     try:
         with Output(cfg.out, cfg.top_k) as out:
             for table in ds.iter_batches(batch_size=None, batch_format="pyarrow",
@@ -110,7 +110,16 @@ def _run(cfg, spec, weights, found, t0: float) -> Summary:
     except KeyboardInterrupt:
         raise
     except Exception as err:  # a Ray task/actor failure: one line, exit 1
-        raise run_failed(err, plan, cfg.wait_timeout) from None
+        failure = run_failed(err, plan, cfg.wait_timeout)
+    if failure is not None:
+        # The dataset's actors end with its last reference: an actor whose start timed out
+        # (--wait-timeout) still starts once CPUs free up, and held one CPU of a cluster the
+        # driver stays on (seen in CI) until Python's cycle collector ran.
+        del ds
+        import gc
+
+        gc.collect()
+        raise failure
     return Summary(out.rows, errors, time.monotonic() - t0, cfg.out)
 
 
