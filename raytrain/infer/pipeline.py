@@ -169,8 +169,9 @@ class Predictor:
 def build_dataset(spec, weights: dict, found, plan: Plan, batch_size: int, top_k: int,
                   wait_timeout: float = 60.0):
     """The lazy Dataset of prediction rows (nothing runs until it is iterated). Its actors
-    must all start within ``wait_timeout`` s, else the run fails (``run_failed`` words it): Ray Data's
-    default waits for them forever, and a cluster whose CPUs other jobs hold then hangs."""
+    must all start within ``wait_timeout`` s, else the run fails (``run_failed`` words it):
+    Ray Data's default waits for them forever, and a cluster whose CPUs other jobs hold then
+    hangs."""
     import ray
     import ray.data
 
