@@ -94,6 +94,7 @@ def cluster_idle_before(request):
 
         request.getfixturevalue("ray_cluster")  # started first
 
+        started = time.monotonic()
         deadline = time.monotonic() + (0 if _HELD else 60)
         while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
             if time.monotonic() > deadline:  # once held for good, later tests fail at once
@@ -103,5 +104,19 @@ def cluster_idle_before(request):
                 held = {k: v for k, v in placement_group_table().items()
                         if v.get("state") != "REMOVED"}
                 pytest.fail(f"the session cluster's CPUs are still held: {held}")
-            time.sleep(0.5)
+            time.sleep(0.1)
+        if (waited := time.monotonic() - started) >= 0.1:
+            _WAITED[request.node.nodeid] = waited
     yield
+
+
+_WAITED: dict[str, float] = {}  # test -> seconds it waited for the session cluster's CPUs
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How long tests waited for CPUs an earlier test's run still held (the suite's time)."""
+    if _WAITED:
+        worst = sorted(_WAITED.items(), key=lambda kv: -kv[1])[:5]
+        terminalreporter.write_line(
+            f"waited for the session cluster's CPUs: {sum(_WAITED.values()):.1f}s in "
+            f"{len(_WAITED)} tests; most: " + ", ".join(f"{k} {v:.1f}s" for k, v in worst))
