@@ -383,10 +383,24 @@ def test_setup_hook_fallback_is_no_env_var(missing):
     assert ray_compat.setup_hook_env("raytrain.worker.warm.start") == {}
 
 
-def test_shutdown_order_fallback_is_rays_own_shutdown(missing):
-    import ray
-
-    missing("ray._private.worker")
-    assert not ray.is_initialized()
-    ray_compat.shutdown()  # Ray's own shutdown (a no-op here), without the monitor first
-    assert not ray.is_initialized()
+def test_shutdown_order_fallback_is_rays_own_shutdown():
+    """In a process of its own (the suite's cluster may be up in this one): a real local
+    cluster, ``ray._private.worker`` absent, is shut down by Ray's own ``ray.shutdown()``."""
+    code = textwrap.dedent("""
+        import psutil, ray
+        from raytrain import ray_compat
+        real = ray_compat._internal
+        ray_compat._internal = lambda module, name=None: (
+            None if module == "ray._private.worker" else real(module, name))
+        ray.init(num_cpus=1, include_dashboard=False, address="local")
+        session = ray.get_runtime_context().gcs_address
+        ray_compat.shutdown()
+        assert not ray.is_initialized()
+        left = [p.pid for p in psutil.Process().children(recursive=True) if p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+        print("shut down", session, "children left:", left)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "shut down" in proc.stdout, proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("children left: []"), proc.stdout

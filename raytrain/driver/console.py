@@ -73,15 +73,20 @@ def print_summary(summary) -> None:
 
 
 def data_line(rows: list[dict]) -> str | None:
-    """Streamed data: how long the first batch took and how much of the training time the
-    workers waited for data (the epochs of this run's rows)."""
-    first = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None]
+    """Streamed data: how long the first batch took, in the first epoch and (the slowest) in
+    later ones, and how much of the training time the workers waited for data (the epochs of
+    this run's rows)."""
+    first = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None
+             and r.get("first_step_at") is not None]  # an attempt's first epoch
+    later = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None
+             and r.get("first_step_at") is None]
     waits = [r["data_wait"] for r in rows if "data_wait" in r]
     if not first or not waits:
         return None
     bad = sum(r.get("bad_images", 0) for r in rows)
-    return (f"data: first batch {first[-1]:.1f}s into the first epoch; workers waited for data "
-            f"{100 * sum(waits) / len(waits):.0f}% of training time"
+    return (f"data: first batch {first[-1]:.1f}s into the first epoch"
+            + (f", at most {max(later):.2f}s into a later one" if later else "")
+            + f"; workers waited for data {100 * sum(waits) / len(waits):.0f}% of training time"
             + (f"; {bad} undecodable image(s) skipped (events.jsonl)" if bad else ""))
 
 

@@ -106,8 +106,8 @@ def run_worker(cfg: TrainConfig, worker: Worker, report: Reporter,
         if epoch == done + 1:  # first epoch of this attempt: when it started, from where
             metrics.update(first_step_at=train["first_step_at"], resumed_from=done,
                            startup=startup)
-            if cfg.data.streaming:
-                metrics["first_batch_s"] = train["first_batch_s"]
+        if cfg.data.streaming:  # every epoch is a new Ray Data pass: its start, each time
+            metrics["first_batch_s"] = train["first_batch_s"]
         # Never checkpoint a diverged model: the latest checkpoint is what a rerun resumes.
         save = worker.master and "error" not in metrics and (
             epoch % cfg.run.checkpoint_every == 0 or epoch == o.epochs)
