@@ -20,7 +20,7 @@ from raytrain import files, storage
 from raytrain.errors import RaytrainError
 
 FORMAT = "raytrain-checkpoint-v1"
-STATE_FILE = "state.pt"
+STATE_FILE = files.STATE_FILE
 
 
 def rng_state() -> dict[str, Any]:

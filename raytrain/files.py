@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Sequence
 # A run directory's files that more than one side writes or reads.
 EVENTS_FILE = "events.jsonl"  # progress lines and failures: workers/controller write, driver prints
 METRICS_FILE = "metrics.jsonl"  # one row per epoch, written by the controller's RunFiles
+STATE_FILE = "state.pt"  # a checkpoint's training state (raytrain.checkpoint reads and writes it)
 
 
 @contextlib.contextmanager

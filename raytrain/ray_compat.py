@@ -16,6 +16,7 @@ the uses below against its sources, then widen the pin.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -323,40 +324,97 @@ _CALLBACKS = "ray.train.v2._internal.callbacks"
 
 
 def _trainer_internals():
-    from ray.train.torch import TorchTrainer
-
+    """The classes ``_trainer_classes`` overrides, or None; torch-free (the controller runs it)."""
+    trainer = _internal("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer")
     found = (_internal(f"{_CALLBACKS}.datasets", "DatasetsCallback"),
              _internal(f"{_CALLBACKS}.placement_group_callback", "PlacementGroupCleanerCallback"),
              *(_internal("ray.train.v2._internal.execution.scaling_policy", n) for n in (
                  "FixedScalingPolicy", "NoopDecision", "ResizeDecision")))
-    if None in found or not all(hasattr(TorchTrainer, m) for m in (
+    if None in found or not all(hasattr(trainer, m) for m in (
             "_create_default_callbacks", "_initialize_and_run_controller")):
         return None
     return found
 
 
+# FALLBACK (2026-12-06). A Train controller without torch. Ray 2.60's controller imports torch
+# (2-3 s of CPU per run and per Tune trial, before it starts the workers) for one reason: the
+# TorchConfig and _TorchBackend it unpickles live in ray/train/torch/config.py, which imports
+# torch at its top, while their on_start/on_shutdown only ask the workers to run that module's
+# functions. TorchBackendConfig (below, torch-free) is that config; its backend takes 2.60's
+# _TorchBackend steps for gloo and nccl (init "env") and runs Ray's own functions by name on the
+# workers. No Ray issue filed. Missing (or a TPU/hccl backend): Ray's TorchConfig, as before.
+TORCH_BACKEND = ("ray.train.torch.config._setup_torch_process_group/_set_torch_distributed_"
+                 "env_vars/_shutdown_torch, ray.train._internal.utils.get_address_and_port, "
+                 "ray.train.v2._internal.util.TrainingFramework")
+_TORCH_CONFIG = "ray.train.torch.config"
+
+
+def _has_torch_backend() -> bool:
+    """Every name TorchBackendConfig's backend uses; ray.train.torch.config's read in its source
+    (importing it imports torch, which neither the driver nor the controller needs now)."""
+    train = _internal("ray.train")
+    try:
+        with open(os.path.join(os.path.dirname(train.__file__), "torch", "config.py")) as f:
+            source = f.read()
+    except (AttributeError, TypeError, OSError):
+        return False
+    return all(f"\ndef {n}(" in source or f"\nclass {n}" in source for n in (
+        "_setup_torch_process_group", "_set_torch_distributed_env_vars", "_shutdown_torch",
+        "TorchConfigContextManager")) and None not in (
+        _internal("ray.train._internal.utils", "get_address_and_port"),
+        _internal("ray.train.v2._internal.util", "TrainingFramework"))
+
+
+class _TorchContext:
+    """On a Train worker: Ray's TorchConfigContextManager around the train function."""
+
+    def __enter__(self):
+        self._inner = importlib.import_module(_TORCH_CONFIG).TorchConfigContextManager()
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self._inner.__exit__(*exc)
+
+
+def _join_torch_group(addr: str, port: int, **group) -> None:
+    """On a Train worker (it has torch): 2.60 _TorchBackend.on_start's steps, init "env"."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    config = importlib.import_module(_TORCH_CONFIG)
+    config._set_torch_distributed_env_vars()
+    config._setup_torch_process_group(init_method="env://", **group)
+
+
+def _leave_torch_group(**kwargs) -> None:
+    importlib.import_module(_TORCH_CONFIG)._shutdown_torch(**kwargs)
+
+
 def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=None, **kwargs):
-    """``TorchTrainer(*args, **kwargs)`` less the actors above; ``watch`` sizes its groups."""
-    classes = _trainer_classes()
-    if classes is None:
+    """``TorchTrainer(*args, **kwargs)`` less the actors above (and without torch where
+    TORCH_BACKEND allows); ``watch`` sizes its groups."""
+    trainer = _trainer_class()
+    if trainer is None:
         from ray.train.torch import TorchTrainer
 
         _lost(TRAINER_INTERNALS)
         return TorchTrainer(*args, **kwargs)
-    return classes["Trainer"](*args, fixed_cluster=fixed_cluster,
-                              driver_outlives_run=driver_outlives_run, watch=watch, **kwargs)
+    return trainer(*args, fixed_cluster=fixed_cluster, driver_outlives_run=driver_outlives_run,
+                   watch=watch, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
 def _trainer_classes() -> dict[str, type] | None:
-    """``Trainer`` and the two policies, defined once this Ray is known to have what they
-    override; importable as ``raytrain.ray_compat.<name>`` (the controller unpickles them)."""
+    """The classes a Train controller unpickles (the scaling policy, the torch-free backend),
+    defined once this Ray is known to have what they override; importable as
+    ``raytrain.ray_compat.<name>``. Torch-free: the controller runs it."""
     found = _trainer_internals()
     if found is None:
         return None
-    from ray.train.torch import TorchTrainer
+    import dataclasses
 
-    datasets_cb, cleaner_cb, fixed_policy, noop, resize = found
+    import ray
+    from ray.train.backend import Backend, BackendConfig
+
+    _, _, fixed_policy, noop, resize = found
 
     class ClusterPolicy(fixed_policy):
         """Fixed or elastic on a cluster that cannot grow, sized by ``self.watch``."""
@@ -374,10 +432,86 @@ def _trainer_classes() -> dict[str, type] | None:
         def make_decision_for_running_worker_group(self, worker_group_state, worker_group_status):
             return self._decide(self.watch.grow(worker_group_state.num_workers))
 
-    class Trainer(TorchTrainer):
+    class TorchBackend(Backend):
+        """2.60's _TorchBackend for gloo and nccl, its worker-side steps run by name."""
+
+        share_cuda_visible_devices = True
+
+        def on_start(self, worker_group, backend_config):
+            addr, port = worker_group.execute_single(
+                0, _internal("ray.train._internal.utils", "get_address_and_port"))
+            n = len(worker_group)
+            ray.get([worker_group.execute_single_async(
+                rank, _join_torch_group, addr, port, backend=backend_config.backend,
+                world_rank=rank, world_size=n, timeout_s=backend_config.timeout_s)
+                for rank in range(n)])
+
+        def on_shutdown(self, worker_group, backend_config):
+            from ray.train import constants as c
+
+            timeout = float(os.environ.get(c.TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                           c.DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+            done = worker_group.execute_async(_leave_torch_group,
+                                              destroy_process_group=len(worker_group) > 1)
+            with contextlib.suppress(ray.exceptions.GetTimeoutError):  # Ray's warns
+                ray.get(done, timeout=timeout)
+
+    @dataclasses.dataclass
+    class TorchBackendConfig(BackendConfig):
+        """TorchConfig's fields, without torch (TorchTrainer sets ``backend``)."""
+
+        backend: str | None = None
+        init_method: str = "env"
+        timeout_s: int = 1800
+
+        @property
+        def backend_cls(self):
+            if self.backend not in ("gloo", "nccl"):  # TPU, hccl: Ray's own backend
+                return importlib.import_module(_TORCH_CONFIG)._TorchBackend
+            return TorchBackend
+
+        @property
+        def train_func_context(self):  # read on the driver, entered on the workers
+            return _TorchContext
+
+        @property
+        def framework(self):
+            return _internal("ray.train.v2._internal.util", "TrainingFramework").TORCH
+
+        def to_dict(self) -> dict[str, Any]:
+            return dataclasses.asdict(self)
+
+    classes = {"ClusterPolicy": ClusterPolicy, "TorchBackend": TorchBackend,
+               "TorchBackendConfig": TorchBackendConfig}
+    for name, cls in classes.items():
+        cls.__module__, cls.__qualname__ = __name__, name
+    return classes
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_class() -> type | None:
+    """``Trainer``: TorchTrainer less the actors above; a DataParallelTrainer with
+    TorchBackendConfig (torch-free) where TORCH_BACKEND allows, else over Ray's TorchTrainer."""
+    classes = _trainer_classes()
+    if classes is None:
+        return None
+    torch_free = _has_torch_backend()
+    if torch_free:
+        from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer as base
+    else:
+        _lost(TORCH_BACKEND)
+        from ray.train.torch import TorchTrainer as base
+
+    datasets_cb, cleaner_cb = _trainer_internals()[:2]
+    policy, backend = classes["ClusterPolicy"], classes["TorchBackendConfig"]
+
+    class Trainer(base):
         """``TorchTrainer`` without the actors above."""
 
         def __init__(self, *args, fixed_cluster, driver_outlives_run, watch=None, **kwargs):
+            if torch_free:  # as TorchTrainer names it
+                gpu = getattr(kwargs.get("scaling_config"), "use_gpu", False)
+                kwargs["backend_config"] = backend(backend="nccl" if gpu else "gloo")
             super().__init__(*args, **kwargs)
             self.driver_outlives_run = driver_outlives_run
             self.watch = watch if fixed_cluster else None  # None: Ray's own scaling policies
@@ -391,19 +525,19 @@ def _trainer_classes() -> dict[str, type] | None:
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             if self.watch is not None:  # in place of Ray's fixed or elastic one
-                policy = controller_init_kwargs["scaling_policy"] = ClusterPolicy(
-                    self.scaling_config)
-                policy.watch = self.watch
+                scaling = controller_init_kwargs["scaling_policy"] = policy(self.scaling_config)
+                scaling.watch = self.watch
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
-    classes = {"Trainer": Trainer, "ClusterPolicy": ClusterPolicy}
-    for name, cls in classes.items():
-        cls.__module__, cls.__qualname__ = __name__, name
-    return classes
+    Trainer.__module__, Trainer.__qualname__ = __name__, "Trainer"
+    return Trainer
 
 
-def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPolicy
-    classes = _trainer_classes() if name in ("Trainer", "ClusterPolicy") else None
+def __getattr__(name: str) -> Any:  # raytrain.ray_compat.Trainer / .ClusterPolicy / ...
+    if name == "Trainer" and _trainer_class() is not None:
+        return _trainer_class()
+    classes = _trainer_classes() if name in ("ClusterPolicy", "TorchBackend",
+                                             "TorchBackendConfig") else None
     if classes is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return classes[name]
@@ -576,6 +710,8 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     TRAINER_INTERNALS: (lambda: _trainer_internals() is not None,
                         "Ray Train's own TorchTrainer runs, with its dataset manager, "
                         "placement-group cleaner and autoscaling requests"),
+    TORCH_BACKEND: (_has_torch_backend, "each Train controller imports torch (2-3 s of CPU "
+                    "per run and trial, before its workers start)"),
     PLACEMENT_GROUPS: (has_placement_group_table, "placement groups of ended trials are not "
                        "removed until the search ends; later trials may wait for their CPUs"),
     SETUP_HOOK_ENV: (lambda: bool(setup_hook_env("x")), "Train workers import as they go"),

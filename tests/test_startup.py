@@ -87,3 +87,78 @@ def test_train_workers_import_torch_from_their_start(ray_cluster, tmp_path):
             seen[name] = json.load(f)
     assert seen["warm"] == {"torch._dynamo": True, "raytrain.worker.loop": True}
     assert seen["control"]["torch._dynamo"] is False
+
+
+# What a Train controller unpickles, and what a Tune trial's process imports to build its
+# trainer (raytrain.tune.trial, the Trainer class, the workers' entry point): no torch.
+NO_TORCH = textwrap.dedent("""
+    import pickle, sys
+    from raytrain import ray_compat
+    classes = ray_compat._trainer_classes()
+    pickle.loads(pickle.dumps([classes["TorchBackendConfig"](backend="gloo"),
+                               classes["TorchBackend"](), classes["ClusterPolicy"]]))
+    controller = "torch" in sys.modules
+    import raytrain.tune.trial, raytrain.worker.ray_entry
+    ray_compat._trainer_class()
+    print(controller, "torch" in sys.modules)
+""")
+
+
+def _allreduce_then_report():
+    """A train function (nested: pickled by value, the workers cannot import tests/): each
+    rank all-reduces its rank + 1 and reports an epoch's metrics row with the sum, the world
+    and torch's version (which the controller unpickles)."""
+    def train_fn(config):
+        import ray.train
+        import torch
+        import torch.distributed as dist
+
+        from raytrain import report
+
+        total = torch.tensor([dist.get_rank() + 1.0])
+        dist.all_reduce(total)
+        ray.train.report({**dict.fromkeys(report.METRICS, 1.0), "sum": total.item(),
+                          "world": dist.get_world_size(), "backend": dist.get_backend(),
+                          "version": torch.__version__})
+    return train_fn
+
+
+def test_the_train_controller_never_imports_torch(ray_cluster, tmp_path):
+    """Ray's TorchConfig made every run's (and Tune trial's) controller import torch, 2-3 s of
+    CPU before its workers start; ray_compat.TorchBackendConfig forms the same gloo group
+    without it, and a worker sends torch's version as a str (worker/warm.py): the controller
+    unpickles the report with torch still unloaded (asked from inside it by a callback). A
+    Tune trial's process, which builds a trainer and waits, imports no torch either."""
+    from ray.train import RunConfig, ScalingConfig, UserCallback
+
+    from raytrain import ray_compat
+    from raytrain.driver import run as driver_run
+    from raytrain.worker import warm
+
+    out = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["False", "False"], out.stderr[-2000:]
+
+    seen = tmp_path / "controller.json"
+
+    class Seen(UserCallback):  # defined here: pickled by value into the controller
+        def after_report(self, run_context, metrics, checkpoint):
+            import sys
+
+            seen.write_text(json.dumps({  # each rank's report, torch's version's type
+                "torch": "torch" in sys.modules, "reports": [
+                    {k: m[k] for k in ("sum", "world", "backend")} | {
+                        "version": type(m["version"]).__name__} for m in metrics]}))
+
+    result = ray_compat.make_trainer(
+        _allreduce_then_report(), fixed_cluster=False, driver_outlives_run=True,
+        scaling_config=ScalingConfig(num_workers=2),
+        # raytrain's own run-files callback first: it writes TensorBoard's events (tensorboardX)
+        run_config=RunConfig(storage_path=str(tmp_path), name="notorch", callbacks=[
+            driver_run.RunFiles(str(tmp_path / "notorch")), Seen()],
+                             worker_runtime_env={"env_vars": ray_compat.setup_hook_env(
+                                 warm.HOOK)})).fit()
+    assert result.error is None
+    rank = {"sum": 3.0, "world": 2, "backend": "gloo", "version": "str"}  # a 2-rank gloo group
+    assert json.loads(seen.read_text()) == {"torch": False, "reports": [rank, rank]}
+    assert list((tmp_path / "notorch" / "tensorboard").iterdir())  # events written

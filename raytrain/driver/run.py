@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -145,13 +147,11 @@ def latest_checkpoint_epoch(run_location: str) -> int:
     Ctrl-C between the two leaves one Ray never resumes from) that is complete (a copy cut
     short has no state file or a truncated one: torch.save writes a zip, its directory last).
     ``run_location``: a path or a bucket URI."""
-    from raytrain.checkpoint import STATE_FILE
-
     registered = ray_compat.registered_checkpoints(run_location)
     epochs = [int(d.rsplit("_", 1)[1]) for d in storage.listdir(run_location)
               if d.startswith("checkpoint_epoch_") and d.rsplit("_", 1)[1].isdigit()
               and (registered is None or d in registered[0])
-              and storage.is_zip(storage.join(run_location, d, STATE_FILE))]
+              and storage.is_zip(storage.join(run_location, d, files.STATE_FILE))]
     return max(epochs, default=0)
 
 
@@ -293,9 +293,7 @@ class _RunFiles:
             self._saved = m["epoch"]
         report.record_epoch(self.run_dir, m)
         if self._tensorboard is None:
-            from tensorboardX import SummaryWriter
-
-            self._tensorboard = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+            self._tensorboard = _summary_writer(os.path.join(self.run_dir, "tensorboard"))
         for key in report.METRICS[1:]:
             self._tensorboard.add_scalar(key, m[key], m["epoch"])
         self._tensorboard.flush()
@@ -315,6 +313,22 @@ class _RunFiles:
                                                "time": time.time()})
         except OSError:  # a full disk: raising here would fail the run on this, not on err
             pass
+
+
+def _summary_writer(logdir: str):
+    """tensorboardX's SummaryWriter, imported without torch in a process that has none (the
+    Train controller: ray_compat.TorchBackendConfig): tensorboardX 2.6's writer imports torch
+    only to name a type (writer.py ``numpy_compatible``) and takes numpy's where torch cannot
+    be imported; with it, 1.3-2 s of the controller's CPU in each run's first epoch."""
+    if "torch" not in sys.modules and "tensorboardX" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` fails here
+        try:
+            importlib.import_module("tensorboardX")
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter
+
+    return SummaryWriter(logdir)
 
 
 def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool = False

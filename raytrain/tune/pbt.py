@@ -19,7 +19,7 @@ import threading
 import warnings
 from typing import Any
 
-from raytrain import checkpoint
+from raytrain import files
 from raytrain.config import NUM_CLASSES, TrainConfig
 
 SOURCE_FILE = "source.json"
@@ -43,8 +43,10 @@ def starting_point(tune_ckpt, trial_id: str) -> dict[str, Any] | None:
 
 def prepare_start(start: dict[str, Any], cfg: TrainConfig, trial_dir: str) -> str:
     """The training state this trial's new Train run starts from, fitted to its config."""
+    from raytrain import checkpoint  # torch: a trial that never exploits has no need of it
+
     state_dir = os.path.join(trial_dir, "starts", start["segment"])
-    if os.path.exists(os.path.join(state_dir, checkpoint.STATE_FILE)):
+    if os.path.exists(os.path.join(state_dir, files.STATE_FILE)):
         return state_dir
     os.makedirs(state_dir, exist_ok=True)
     with start["tune_checkpoint"].as_directory() as directory:
@@ -167,7 +169,7 @@ def report_to_tune(metrics: dict[str, Any], ckpt, trial_id: str, segment: str) -
         return
     with tempfile.TemporaryDirectory(prefix="raytrain-tune-ckpt-") as directory:
         with ckpt.as_directory() as train_dir:
-            shutil.copy2(os.path.join(train_dir, checkpoint.STATE_FILE), directory)
+            shutil.copy2(os.path.join(train_dir, files.STATE_FILE), directory)
         with open(os.path.join(directory, SOURCE_FILE), "w") as f:
             json.dump({"trial_id": trial_id, "epoch": metrics["epoch"], "segment": segment,
                        "train_checkpoint": ckpt.path, "metrics": metrics}, f)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain import checkpoint, files, ray_compat, report, storage
+from raytrain import files, ray_compat, report, storage
 from raytrain.config import TrainConfig
 from raytrain.driver.run import export_model
 from raytrain.errors import TrainingError, short
@@ -169,7 +169,7 @@ def best_checkpoint(reports, location: str = "") -> str:
     rows = reports.dropna(subset=["checkpoint_path", METRIC]).to_dict("records")
     for row in sorted(rows, key=report.best_key, reverse=True):
         path = checkpoint_uri(row["checkpoint_path"], location)
-        if storage.exists(storage.join(path, checkpoint.STATE_FILE)):
+        if storage.exists(storage.join(path, files.STATE_FILE)):
             return path
     return ""
 
@@ -183,7 +183,7 @@ def unreported_checkpoint(location: str, trial_id: str, starts: list[dict[str, A
         return ""
     path = storage.join(location, "trials", trial_id, starts[-1]["segment"],
                         f"checkpoint_epoch_{int(epoch):04d}")
-    return path if storage.exists(storage.join(path, checkpoint.STATE_FILE)) else ""
+    return path if storage.exists(storage.join(path, files.STATE_FILE)) else ""
 
 
 def checkpoint_uri(path: str, location: str) -> str:

@@ -5,6 +5,10 @@
 The loop itself (``raytrain.worker.loop``) knows nothing of Ray; this module gives it a rank,
 a device, a checkpoint to resume from and a ``report`` that sets the Prometheus gauges and
 hands each epoch (and rank 0's checkpoint) to Ray Train.
+
+torch, the loop and the checkpoint format are imported where they run (on the workers, which
+have them from their start: worker/warm.py): the driver and a Tune trial's process import this
+module to hand its entry point to Ray Train, and a trial process needs torch for nothing else.
 """
 
 from __future__ import annotations
@@ -14,11 +18,8 @@ import tempfile
 import time
 from typing import Any
 
-import torch
-
-from raytrain import checkpoint, ray_compat
+from raytrain import ray_compat
 from raytrain.config import TrainConfig
-from raytrain.worker.loop import Worker, run_worker
 
 
 def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) -> None:
@@ -28,6 +29,10 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
     yet (a PBT trial started from another trial's state, ``raytrain.tune.pbt.StartFrom``)."""
     import ray.train
     import ray.train.torch
+    import torch
+
+    from raytrain import checkpoint
+    from raytrain.worker.loop import Worker, run_worker
 
     threads = os.environ.get("OMP_NUM_THREADS", "")  # Ray's, for this worker's CPUs
     if threads.isdigit() and torch.get_num_threads() != int(threads):
@@ -124,6 +129,8 @@ class EpochReports:
         if self.failed is not None:  # an earlier epoch's save failed and was reported so
             metrics["error"] = self.failed  # run_worker stops; this epoch is not reported
             return
+        from raytrain import checkpoint
+
         blob = checkpoint.serialize(state) if state is not None else None  # taken now
         self.pending = self.pool.submit(self._report, dict(metrics), blob)
 
@@ -155,6 +162,8 @@ def _save_checkpoint(blob: bytes, name: str, epoch: int, storage_path: str, star
     Returns (checkpoint, None), or (None, a one-line error) with no partial directory left and
     earlier ones as they were."""
     import ray.train
+
+    from raytrain import checkpoint
 
     # The very copy (pyarrow: local path, NFS, s3://, gs://) that report() makes of a
     # checkpoint it is given; see ray_compat.CheckpointStorage.
