@@ -268,44 +268,45 @@ def test_cluster_config_fallback_reads_the_bootstrap_config(missing, monkeypatch
     assert len(_compat_warnings(record)) == 1
 
 
-def test_trainer_fallback_is_ray_trainer_unchanged(missing, tmp_path):
+def _trainer(tmp_path):
+    """``ray_compat.make_trainer`` for one worker, as the driver calls it."""
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    def build():
-        return ray_compat.make_trainer(lambda config: None, fixed_cluster=True,
-                                       driver_outlives_run=False,
-                                       scaling_config=ScalingConfig(num_workers=1),
-                                       run_config=RunConfig(storage_path=str(tmp_path)))
+    return ray_compat.make_trainer(lambda config: None, fixed_cluster=True,
+                                   driver_outlives_run=False,
+                                   scaling_config=ScalingConfig(num_workers=1),
+                                   run_config=RunConfig(storage_path=str(tmp_path)))
 
-    assert type(build()).__name__ == "Trainer"  # this Ray: raytrain's trainer
-    missing("ray.train.v2._internal.callbacks.datasets")
+
+def _twice_missing(missing, module: str, tmp_path) -> tuple[list, list[str]]:
+    """Two trainers made with ``module`` missing, and the compat warnings that gave."""
+    missing(module)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        trainers = [build(), build()]
+        trainers = [_trainer(tmp_path), _trainer(tmp_path)]
+    return trainers, _compat_warnings(record)
+
+
+def test_trainer_fallback_is_ray_trainer_unchanged(missing, tmp_path):
+    from ray.train.torch import TorchTrainer
+
+    assert type(_trainer(tmp_path)).__name__ == "Trainer"  # this Ray: raytrain's trainer
+    trainers, said = _twice_missing(missing, "ray.train.v2._internal.callbacks.datasets",
+                                    tmp_path)
     assert all(type(t) is TorchTrainer for t in trainers)
-    assert len(_compat_warnings(record)) == 1
+    assert len(said) == 1
 
 
 def test_torch_backend_fallback_is_rays_torch_config(missing, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    def build():
-        return ray_compat.make_trainer(lambda config: None, fixed_cluster=True,
-                                       driver_outlives_run=False,
-                                       scaling_config=ScalingConfig(num_workers=1),
-                                       run_config=RunConfig(storage_path=str(tmp_path)))
-
-    mine = build().backend_config
+    mine = _trainer(tmp_path).backend_config
     assert type(mine).__name__ == "TorchBackendConfig" and mine.backend == "gloo"
     assert mine.to_dict() == TorchConfig(backend="gloo").to_dict()  # what the state API shows
-    missing("ray.train.v2._internal.util")
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        configs = [build().backend_config, build().backend_config]
-    assert all(type(c) is TorchConfig and c.backend == "gloo" for c in configs)
-    assert len(_compat_warnings(record)) == 1
+    trainers, said = _twice_missing(missing, "ray.train.v2._internal.util", tmp_path)
+    assert all(type(t.backend_config) is TorchConfig and t.backend_config.backend == "gloo"
+               for t in trainers)
+    assert len(said) == 1
 
 
 def test_placement_group_fallback_turns_the_reaper_off(missing, tmp_path):
