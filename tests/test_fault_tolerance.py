@@ -17,8 +17,9 @@ from raytrain.config import TrainConfig
 from raytrain.worker.loop import Worker, run_worker
 from tests.helpers import metrics, wait_for_epoch, wait_until
 
-# ~1.5 s epochs on this 2-core machine: long enough to kill a process mid-run.
-SLOW = ["--dataset", "synthetic", "--synthetic-size", "16000", "--batch-size", "128",
+# ~2 s epochs on this 2-core machine (16,000 images took 11 s: 2026-12-06): long enough to
+# kill a process mid-run, which the tests do within a second of an epoch's end.
+SLOW = ["--dataset", "synthetic", "--synthetic-size", "3200", "--batch-size", "128",
         "--num-workers", "2", "--seed", "3"]
 
 
@@ -98,8 +99,8 @@ def test_a_killed_controller_leaves_no_placement_group_on_a_cluster_that_outlive
 
 
 def test_killed_driver_rerun_continues_and_ends_bit_identical(address, tmp_path):
-    # Half SLOW's epoch: three 4-epoch runs; an epoch still outlasts the kill's polling
-    args = [*SLOW, "--synthetic-size", "8000", "--epochs", "4", "--storage-path", str(tmp_path)]
+    # Two thirds of SLOW's epoch: three 4-epoch runs; two epochs still outlast the kill's polling
+    args = [*SLOW, "--synthetic-size", "2000", "--epochs", "4", "--storage-path", str(tmp_path)]
     straight = _driver(address, [*args, "--name", "straight"])
     out, _ = straight.communicate(timeout=300)
     assert straight.returncode == 0, out

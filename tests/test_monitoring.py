@@ -66,12 +66,13 @@ def test_run_is_visible_in_dashboard_prometheus_and_files(head, tmp_path):
            if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
     proc = subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--address",
                              f"127.0.0.1:{head['port']}", "--num-workers", "2", "--dataset",
-                             "synthetic", "--synthetic-size", "16000", "--epochs", "3",
+                             "synthetic", "--synthetic-size", "4800", "--epochs", "3",
                              "--storage-path", str(tmp_path), "--name", "mon"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     prometheus = ""
-    while proc.poll() is None:  # gauges live while the workers do: scrape during the run
+    # gauges live while the workers do (~3 s epochs, exported every 1 s): scrape during the run
+    while proc.poll() is None:
         try:
             text = _get(f"http://127.0.0.1:{head['metrics']}/metrics", None)
             if "raytrain_test_acc" in text:

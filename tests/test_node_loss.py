@@ -172,9 +172,9 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
     once, or it fails with the lost node as its reason."""
     node = _second_node(cluster)
     search = cluster.base / "runs" / "search"
-    # ~2 s epochs (digits' take 0.5 s): two trials' runs overlap long enough to lose a node
+    # ~3 s epochs (digits' take 0.5 s): two trials' runs overlap long enough to lose a node
     proc, lines = _start(cluster, "--tune", "--lr-range", "0.02,0.05", "--num-samples", "1",
-                         "--dataset", "synthetic", "--synthetic-size", "8000",
+                         "--dataset", "synthetic", "--synthetic-size", "3000",
                          "--batch-sizes", "128", "--scheduler", "none", "--num-workers", "1",
                          "--epochs", "4", "--storage-path", str(search.parent), "--name", "search")
     trials = search / "trials"

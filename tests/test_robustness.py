@@ -167,7 +167,7 @@ def test_ctrl_c_stops_workers_and_leaves_no_ray_processes(tmp_path):
     """The driver starts its own local cluster; SIGINT must take all of it down."""
     env = {**os.environ, "RAY_ADDRESS": ""}
     proc = subprocess.Popen([sys.executable, "-m", "raytrain.fit", "--num-workers", "1",
-                             "--dataset", "synthetic", "--synthetic-size", "16000",
+                             "--dataset", "synthetic", "--synthetic-size", "3200",
                              "--epochs", "50", "--storage-path", str(tmp_path),
                              "--name", "int"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
