@@ -76,10 +76,10 @@ def data_line(rows: list[dict]) -> str | None:
     """Streamed data: how long the first batch took, in the first epoch and (the slowest) in
     later ones, and how much of the training time the workers waited for data (the epochs of
     this run's rows)."""
-    first = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None
-             and r.get("first_step_at") is not None]  # an attempt's first epoch
-    later = [r["first_batch_s"] for r in rows if r.get("first_batch_s") is not None
-             and r.get("first_step_at") is None]
+    timed = [r for r in rows if r.get("first_batch_s") is not None]
+    # first_step_at: an attempt's first epoch (the group started, or restarted, there)
+    first = [r["first_batch_s"] for r in timed if r.get("first_step_at") is not None]
+    later = [r["first_batch_s"] for r in timed if r.get("first_step_at") is None]
     waits = [r["data_wait"] for r in rows if "data_wait" in r]
     if not first or not waits:
         return None
