@@ -16,7 +16,6 @@ the uses below against its sources, then widen the pin.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import json
@@ -453,8 +452,11 @@ def _trainer_classes() -> dict[str, type] | None:
                                            c.DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
             done = worker_group.execute_async(_leave_torch_group,
                                               destroy_process_group=len(worker_group) > 1)
-            with contextlib.suppress(ray.exceptions.GetTimeoutError):  # Ray's warns
+            try:
                 ray.get(done, timeout=timeout)
+            except ray.exceptions.GetTimeoutError:  # as Ray's _TorchBackend: warn, go on
+                logging.getLogger(__name__).warning(
+                    "Torch process group shutdown timed out after %s seconds", timeout)
 
     @dataclasses.dataclass
     class TorchBackendConfig(BackendConfig):
