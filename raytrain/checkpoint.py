@@ -10,6 +10,7 @@ import errno
 import io
 import os
 import random
+import sys
 import warnings
 from typing import Any
 
@@ -90,9 +91,11 @@ def restore(state: dict[str, Any], model, optimizer, scheduler, scaler, ema=None
     return state["epoch"], state["step"]
 
 
-def save(state: dict[str, Any] | bytes, directory: str) -> str:
+def save(state: dict[str, Any] | bytes, directory: str, export: bytes | None = None) -> str:
     """Write ``state`` (or its ``serialize``d bytes) into ``directory`` atomically (temp file,
-    then rename)."""
+    then rename); ``export`` (``serialize``d ``model_weights_of``), as model.pt before it."""
+    if export is not None:
+        files.atomic_write(os.path.join(directory, files.MODEL_FILE), export)
     path = os.path.join(directory, STATE_FILE)
     if isinstance(state, bytes):
         files.atomic_write(path, state)
@@ -151,6 +154,12 @@ def model_weights_of(state: Any, path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+def export(directory: str, path: str) -> None:
+    """Write ``model_weights(directory)`` to ``path`` (a model.pt) atomically."""
+    with files.replacing(path) as tmp:
+        torch.save(model_weights(directory), tmp)
+
+
 def storage_failure(what: str, err: OSError, storage_path: str, kept: str) -> str:
     """The one line for a write to --storage-path that failed (a full disk, failing storage):
     what failed and why, what is still there (``kept``), and what to do."""
@@ -159,3 +168,10 @@ def storage_failure(what: str, err: OSError, storage_path: str, kept: str) -> st
     fix = "free space" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "fix the storage"
     return (f"{what}: {why} (--storage-path {storage_path}); {kept}; {fix} and rerun the same "
             "command to resume")
+
+
+if __name__ == "__main__":  # python -m raytrain.checkpoint CHECKPOINT_DIR MODEL_PT: the driver's
+    try:                     # export where a checkpoint has no model.pt (it imports no torch)
+        export(sys.argv[1], sys.argv[2])
+    except RaytrainError as err:
+        sys.exit(str(err))

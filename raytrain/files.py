@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator, Sequence
 EVENTS_FILE = "events.jsonl"  # progress lines and failures: workers/controller write, driver prints
 METRICS_FILE = "metrics.jsonl"  # one row per epoch, written by the controller's RunFiles
 STATE_FILE = "state.pt"  # a checkpoint's training state (raytrain.checkpoint reads and writes it)
+MODEL_FILE = "model.pt"  # the weights alone: a run's export, and its last checkpoint's (rank 0)
 
 
 @contextlib.contextmanager

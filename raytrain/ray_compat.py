@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Callable
 
 from raytrain.errors import RaytrainError
+from raytrain.worker import rendezvous
 
 WRITTEN_FOR = "Ray 2.60 (2026-12-03)"
 
@@ -342,8 +343,8 @@ def _trainer_internals():
 # functions. TorchBackendConfig (below, torch-free) is that config; its backend takes 2.60's
 # _TorchBackend steps for gloo and nccl (init "env") and runs Ray's own functions by name on the
 # workers. No Ray issue filed. Missing (or a TPU/hccl backend): Ray's TorchConfig, as before.
-TORCH_BACKEND = ("ray.train.torch.config._setup_torch_process_group/_set_torch_distributed_"
-                 "env_vars/_shutdown_torch, ray.train._internal.utils.get_address_and_port, "
+# Its group meets at a store rank 0 serves first (worker/rendezvous.py: 1 s less per start).
+TORCH_BACKEND = ("ray.train.torch.config._set_torch_distributed_env_vars/_shutdown_torch, "
                  "ray.train.v2._internal.util.TrainingFramework")
 _TORCH_CONFIG = "ray.train.torch.config"
 
@@ -358,10 +359,8 @@ def _has_torch_backend() -> bool:
     except (AttributeError, TypeError, OSError):
         return False
     return all(f"\ndef {n}(" in source or f"\nclass {n}" in source for n in (
-        "_setup_torch_process_group", "_set_torch_distributed_env_vars", "_shutdown_torch",
-        "TorchConfigContextManager")) and None not in (
-        _internal("ray.train._internal.utils", "get_address_and_port"),
-        _internal("ray.train.v2._internal.util", "TrainingFramework"))
+        "_set_torch_distributed_env_vars", "_shutdown_torch", "TorchConfigContextManager")
+               ) and _internal("ray.train.v2._internal.util", "TrainingFramework") is not None
 
 
 class _TorchContext:
@@ -376,15 +375,14 @@ class _TorchContext:
 
 
 def _join_torch_group(addr: str, port: int, **group) -> None:
-    """On a Train worker (it has torch): 2.60 _TorchBackend.on_start's steps, init "env"."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    config = importlib.import_module(_TORCH_CONFIG)
-    config._set_torch_distributed_env_vars()
-    config._setup_torch_process_group(init_method="env://", **group)
+    """On a Train worker (it has torch): 2.60 _TorchBackend.on_start's steps."""
+    importlib.import_module(_TORCH_CONFIG)._set_torch_distributed_env_vars()
+    rendezvous.join(addr, port, **group)
 
 
 def _leave_torch_group(**kwargs) -> None:
     importlib.import_module(_TORCH_CONFIG)._shutdown_torch(**kwargs)
+    rendezvous.leave()
 
 
 def make_trainer(*args, fixed_cluster: bool, driver_outlives_run: bool, watch=None, **kwargs):
@@ -437,8 +435,8 @@ def _trainer_classes() -> dict[str, type] | None:
         share_cuda_visible_devices = True
 
         def on_start(self, worker_group, backend_config):
-            addr, port = worker_group.execute_single(
-                0, _internal("ray.train._internal.utils", "get_address_and_port"))
+            addr, port = worker_group.execute_single(0, rendezvous.serve,
+                                                     backend_config.timeout_s)
             n = len(worker_group)
             ray.get([worker_group.execute_single_async(
                 rank, _join_torch_group, addr, port, backend=backend_config.backend,

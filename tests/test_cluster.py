@@ -11,6 +11,7 @@ which would stop every Ray cluster on the machine.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -152,11 +153,16 @@ def test_ray_job_submit_runs_raytrain_and_returns_its_exit_status(two_nodes):
     storage = two_nodes.base / "jobs"
     submit = [ray_cli, "job", "submit", "--address", two_nodes.dashboard, "--working-dir",
               str(REPO), "--", "python", "-m", "raytrain.fit"]
-    ok = two_nodes.run(submit + ["--num-workers", "1", "--dataset", "digits", "--epochs", "1",
-                                 "--storage-path", str(storage), "--name", "job"])
+    ok = two_nodes.run(submit[:-2] + ["-X", "importtime"] + submit[-2:] + [
+        "--num-workers", "1", "--dataset", "digits", "--epochs", "1", "--storage-path",
+        str(storage), "--name", "job"])
     assert ok.returncode == 0, ok.stdout[-3000:]
     assert "succeeded" in ok.stdout
     assert [r["epoch"] for r in metrics(storage / "job")] == [1], ok.stdout[-3000:]
+    # The driver imports no torch (model.pt is rank 0's, driver/run.py export_model): none is
+    # loaded after ray.init in a `ray job submit` driver, where torch's static TLS failed.
+    assert "| ray.train" in ok.stdout and not re.search(r"\| +torch$", ok.stdout, re.M)
+    assert (storage / "job" / "model.pt").stat().st_size > 0
     bad = two_nodes.run(submit + ["--num-workers", "0"], timeout=180)  # raytrain exits 2
     assert bad.returncode != 0
     assert "--num-workers: got '0'" in bad.stdout and "exit code 2" in bad.stdout

@@ -56,17 +56,16 @@ def _imported_at_start(out: str):
     """A train function: what this worker process had imported when Ray Train called it."""
     def train_fn(config):
         import sys
-        import time
 
-        time.sleep(3)  # the hook's thread imports for a second or two
         with open(out, "w") as f:
             json.dump({m: m in sys.modules for m in ("torch._dynamo", "raytrain.worker.loop")}, f)
     return train_fn
 
 
 def test_train_workers_import_torch_from_their_start(ray_cluster, tmp_path):
-    """The setup hook (worker/warm.py) runs in every Train worker process: DDP's torch._dynamo
-    import, which nothing before the train function needs, is done by then. Without the hook
+    """The setup hook (worker/warm.py) runs in every Train worker process before Ray Train
+    calls it: the torch._dynamo import (DDP's and the optimizer's constructors), which
+    nothing before the train function needs, is done by then. Without the hook
     (the control run) it is not."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

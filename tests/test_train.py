@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -81,6 +82,34 @@ def test_summary_breaks_down_the_time_to_first_step(digits_run):
     assert list(phases) == ["Ray up", "preflight", "worker start", "worker setup", "data",
                             "model", "first step"]
     assert sum(map(float, phases.values())) == pytest.approx(float(line.group(1)), abs=0.4)
+
+
+def test_model_pt_is_rank_0s_copy_or_exported_in_a_process_of_its_own(digits_run, tmp_path):
+    """The last epoch's checkpoint carries model.pt (rank 0 wrote it) and the driver, which
+    imports no torch, copies it; a checkpoint without one (a Tune trial stopped early) is
+    exported by ``python -m raytrain.checkpoint``: the same weights; a broken one, one line."""
+    from ray.train import Checkpoint
+
+    from raytrain.driver.run import export_model
+    from raytrain.errors import RaytrainError
+
+    run_dir = digits_run.run_dir
+    (last,) = [d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_")]
+    shipped = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
+    copy = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(run_dir, last), copy)
+    assert torch.load(copy / "model.pt", weights_only=True).keys() == shipped.keys()
+    os.remove(copy / "model.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export_model(str(out), Checkpoint(str(copy))) == str(out / "model.pt")
+    exported = torch.load(out / "model.pt", weights_only=True)
+    assert exported.keys() == shipped.keys()
+    assert all(torch.equal(exported[k], shipped[k]) for k in shipped)
+    (copy / "state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RaytrainError, match=r"state.pt: cannot load checkpoint"):
+        export_model(str(out), Checkpoint(str(copy)))
+    assert torch.load(out / "model.pt", weights_only=True).keys() == shipped.keys()  # kept
 
 
 def test_evaluate_reproduces_the_final_test_accuracy(digits_run, capsys):

@@ -86,12 +86,10 @@ def check_inputs(cfg: TrainConfig, dry_run: bool = False) -> None:
     if not dry_run:  # a plan may be for a cluster it names later
         attempt(check_local_resources, cfg)
     attempt(ray_compat.check)
-    # torch imported here, before ray.init (fit.run), for the driver's model.pt at the end:
-    # torch's libraries take static TLS, and dlopened after what ray.init loads in a `ray job
+    # No torch in the driver after ray.init (only --pretrained and --use-gpu import it, above):
+    # its libraries take static TLS, and dlopened after what ray.init loads in a `ray job
     # submit` driver they failed ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so";
-    # CI, 2026-12-05). Ray Train no longer imports it (ray_compat.TorchBackendConfig).
-    if not dry_run:
-        import torch  # noqa: F401
+    # CI, 2026-12-05). model.pt comes from rank 0 (driver/run.py export_model).
     if problems:
         raise RaytrainError("\n".join(problems))
 

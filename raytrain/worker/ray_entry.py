@@ -56,7 +56,7 @@ def train_loop_per_worker(config: dict[str, Any], start_dir: str | None = None) 
             resume = checkpoint.load_state(directory)
     gauges = RayGauges(cfg.run.name, worker.rank)
 
-    reports = EpochReports(cfg.run.storage_path, worker.world, ckpt)
+    reports = EpochReports(cfg.run.storage_path, worker.world, ckpt, cfg.optim.epochs)
 
     def report(metrics: dict[str, Any], state: dict[str, Any] | None) -> None:
         gauges.set(metrics)
@@ -116,10 +116,11 @@ class EpochReports:
     the same restarts.
     """
 
-    def __init__(self, storage_path: str, world: int, started_from=None):
+    def __init__(self, storage_path: str, world: int, started_from=None, epochs: int = 0):
         from concurrent.futures import ThreadPoolExecutor
 
         self.storage_path, self.world, self.started_from = storage_path, world, started_from
+        self.epochs = epochs  # the last epoch's checkpoint carries model.pt (the run's export)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-report")
         self.pending = None  # the epoch in flight (a Future)
         self.failed: str | None = None  # a checkpoint save's error, known to every rank
@@ -131,8 +132,12 @@ class EpochReports:
             return
         from raytrain import checkpoint
 
-        blob = checkpoint.serialize(state) if state is not None else None  # taken now
-        self.pending = self.pool.submit(self._report, dict(metrics), blob)
+        blob = export = None
+        if state is not None:  # taken now: training goes on changing the tensors
+            blob = checkpoint.serialize(state)
+            if metrics["epoch"] == self.epochs:  # the driver copies it: it imports no torch
+                export = checkpoint.serialize(checkpoint.model_weights_of(state, "the state"))
+        self.pending = self.pool.submit(self._report, dict(metrics), blob, export)
 
     def wait(self) -> None:
         """Until the epoch in flight is reported (its exception, if any, raised here)."""
@@ -140,7 +145,8 @@ class EpochReports:
         if pending is not None:
             pending.result()
 
-    def _report(self, metrics: dict[str, Any], blob: bytes | None) -> None:
+    def _report(self, metrics: dict[str, Any], blob: bytes | None, export: bytes | None
+                ) -> None:
         import ray.train
         from ray.train.collective import broadcast_from_rank_zero
 
@@ -148,7 +154,7 @@ class EpochReports:
         saved = error = None
         if blob is not None:
             saved, error = _save_checkpoint(blob, name, metrics["epoch"], self.storage_path,
-                                            self.started_from)
+                                            self.started_from, export)
         if self.world > 1:  # every rank calls it: rank 0's outcome, to all
             error = broadcast_from_rank_zero(error)
         if error is not None:
@@ -157,7 +163,8 @@ class EpochReports:
                          checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD)
 
 
-def _save_checkpoint(blob: bytes, name: str, epoch: int, storage_path: str, started_from=None):
+def _save_checkpoint(blob: bytes, name: str, epoch: int, storage_path: str, started_from=None,
+                     export: bytes | None = None):
     """Rank 0: a ``checkpoint.serialize``d state into the run's storage as checkpoint ``name``.
     Returns (checkpoint, None), or (None, a one-line error) with no partial directory left and
     earlier ones as they were."""
@@ -172,7 +179,7 @@ def _save_checkpoint(blob: bytes, name: str, epoch: int, storage_path: str, star
     for attempt in range(3):
         try:
             with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as directory:
-                checkpoint.save(blob, directory)
+                checkpoint.save(blob, directory, export)
                 return storage.persist(ray.train.Checkpoint.from_directory(directory),
                                        name), None
         except OSError as err:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib
 
 # In the order the worker needs them; torch._dynamo: DDP's constructor reads
-# torch._dynamo.utils.get_optimize_ddp_mode() (torch 2.14 nn/parallel/distributed.py).
+# torch._dynamo.utils.get_optimize_ddp_mode() (torch 2.14 nn/parallel/distributed.py), and
+# torch.optim.Optimizer's imports it too (1.0 s in a 1-worker run's first step without it here).
 MODULES = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
            "raytrain.worker.loop")
 HOOK = "raytrain.worker.warm.start"
