@@ -99,9 +99,18 @@ def upload_folder(folder, bucket: str, prefix: str) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports nothing listens on now, all bound at once: two ``free_port()``
+    calls in a row can return the same port, just released (CI, 2026-12-06: a node's raylet
+    and dashboard-agent ports, and `ray start` refused the pair)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def metrics(run_dir) -> list[dict[str, Any]]:
@@ -264,7 +273,8 @@ class LocalCluster:
                    RAY_AUTH_TOKEN_PATH=str(token))  # this cluster's token, not ~/.ray's
         self.env = env
         self.client_env = {**env, "RAY_AUTH_MODE": "token"}  # as docs/cluster.md says
-        self.port, self.dashboard_port = free_port(""), free_port("")
+        # The head's ports, drawn at once (free_ports); its `ray start` takes them all.
+        self.port, self.dashboard_port, *self._head_ports = free_ports(4, "")
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.node_ports: dict[int, int] = {}  # session id -> the node's raylet port
@@ -278,13 +288,16 @@ class LocalCluster:
                      "RAY_health_check_failure_threshold": "3"}
 
     def start_head(self) -> int:
+        agent, client = self._head_ports
         return self._start(self.head_argv, {**self.head_env, **self.HEALTH_CHECKS}, port=self.port,
                            dashboard_port=self.dashboard_port, include_dashboard="true",
-                           ray_client_server_port=free_port(""))
+                           ray_client_server_port=client, dashboard_agent_listen_port=agent)
 
     def add_node(self, **flags) -> int:
         """Start one more node joining the head; returns its session id (see stop_session)."""
-        port = flags.setdefault("node_manager_port", free_port(""))
+        raylet, agent = free_ports(2, "")
+        port = flags.setdefault("node_manager_port", raylet)
+        flags.setdefault("dashboard_agent_listen_port", agent)
         # A temp dir of its own, as on another machine: nodes sharing one session directory share
         # its runtime_resources, and one node's runtime-env agent removing or re-unpacking a
         # job's working_dir there took files from under the running driver (Ray 2.60
@@ -327,8 +340,7 @@ class LocalCluster:
         return victims
 
     def _start(self, argv: list[str], exports: dict[str, str], **flags) -> int:
-        flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20,
-                 "dashboard_agent_listen_port": free_port(""), "temp_dir": self.base / "ray",
+        flags = {"num_cpus": 1, "object_store_memory": 200 * 2**20, "temp_dir": self.base / "ray",
                  **flags}
         machine_bound = ("--port=", "--address=", "--object-manager-port=", "--autoscaling-config=")
         cmd = [shutil.which("ray", path=BIN)]

@@ -18,7 +18,7 @@ import urllib.request
 import psutil
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_ports
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
@@ -35,7 +35,7 @@ def _get(url: str, token: str | None) -> str:
 def head():
     """A head started the way users do; only its own processes are stopped afterwards."""
     temp = tempfile.mkdtemp(prefix="rtmon", dir="/tmp")
-    ports = {"port": free_port(), "dashboard": free_port(), "metrics": free_port()}
+    ports = dict(zip(("port", "dashboard", "metrics"), free_ports(3)))
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "RAY_TRAIN_ENABLE_STATE_TRACKING")}
     env["RAY_AUTH_MODE"] = "token" if os.path.exists(os.path.expanduser("~/.ray/auth_token")) \
