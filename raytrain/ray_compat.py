@@ -343,7 +343,7 @@ def _trainer_internals():
 # functions. TorchBackendConfig (below, torch-free) is that config; its backend takes 2.60's
 # _TorchBackend steps for gloo and nccl (init "env") and runs Ray's own functions by name on the
 # workers. No Ray issue filed. Missing (or a TPU/hccl backend): Ray's TorchConfig, as before.
-# Its group meets at a store rank 0 serves first (worker/rendezvous.py: 1 s less per start).
+# Its group meets at a store rank 0 serves first (worker/rendezvous.py: no 1 s connect backoff).
 TORCH_BACKEND = ("ray.train.torch.config._set_torch_distributed_env_vars/_shutdown_torch, "
                  "ray.train.v2._internal.util.TrainingFramework")
 _TORCH_CONFIG = "ray.train.torch.config"

@@ -3,7 +3,8 @@
 Ray 2.60's ``_TorchBackend`` has every rank call ``init_process_group("env://")`` at once;
 rank 0's call starts the TCPStore server, and a rank that dials before it listens waits out
 torch's 1 s connect backoff. Measured on 2 cores, digits, 2 workers on a running cluster: the
-group took 1.0 s to form that way, against 0.01-0.02 s with the store already listening.
+group took 1.0 s to form in a run that met it (the controller's BackendSetupCallback: 0.27 s in
+most runs, 0.59-1.0 s in others), against 0.05 s with the store already listening.
 So rank 0 serves the store first (``serve``, on a port it picks: no free-port race), then every
 rank joins over it (``join``). Public torch and Ray API only; torch is imported where it runs
 (the Train controller hands these functions to the workers without importing torch).
