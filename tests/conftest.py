@@ -1,4 +1,5 @@
-"""Fixtures only (helpers: tests/helpers.py): one real local Ray cluster per test session (2 CPUs, like this machine)."""
+"""Fixtures only (helpers: tests/helpers.py): one real local Ray cluster per test session (2 CPUs,
+like this machine); under `-n 2` (pytest-xdist, README) one per pytest process."""
 
 from __future__ import annotations
 
