@@ -111,6 +111,33 @@ def cluster_idle_before(request):
     yield
 
 
+# Test files, heaviest first: CPU-seconds of each file alone as one process (2 cores,
+# 2026-12-07; the suite 2369 CPU-s in 27:48). Under `-n 2 --dist loadfile` a process takes the
+# next file when its own is nearly done, so the suite ends on short files and both processes end
+# together; xdist's own order (most tests first) left the heavy few-test files (node loss: 4
+# tests, 267 CPU-s; S3; monitoring) for the end, one process on them alone. A file not listed
+# (unknown cost) goes first.
+BY_COST = ("test_own_data.py", "test_node_loss.py", "test_fault_tolerance.py",
+           "test_robustness.py", "test_tune.py", "test_s3.py", "test_flags.py",
+           "test_predict.py", "test_benchmarks.py", "test_mlflow.py", "test_train.py",
+           "test_cluster.py", "test_startup.py", "test_monitoring.py", "test_streaming.py",
+           "test_cli.py", "test_seed_recipes.py", "test_examples.py", "test_recipe.py",
+           "test_docs.py", "test_architecture.py", "test_data.py", "test_onprem.py")
+
+
+def pytest_configure(config):
+    """xdist schedules files in collection order (``pytest_collection_modifyitems``), not
+    reordered by how many tests each has."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """Files in ``BY_COST`` order, each file's tests in their own order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(BY_COST)}
+    items.sort(key=lambda item: rank.get(item.path.name, -1))
+
+
 _WAITED: dict[str, float] = {}  # test -> seconds it waited for the session cluster's CPUs
 
 
