@@ -327,6 +327,18 @@ class LocalCluster:
                 continue
         return found
 
+    def train_workers(self, session: int) -> list[psutil.Process]:
+        """The Ray Train worker processes (``ray::RayTrainWorker...``) of the node started in
+        ``session``, alive now."""
+        found = []
+        for p in self._session_processes(session):
+            try:
+                if " ".join(p.cmdline()).startswith("ray::RayTrainWorker"):
+                    found.append(p)
+            except psutil.Error:
+                continue
+        return found
+
     def kill_node(self, session: int) -> list[psutil.Process]:
         """SIGKILL every process of the node started in ``session`` at once (its raylet, agents
         and the workers it started), as a reclaimed instance loses them; returns them, gone."""
