@@ -194,7 +194,7 @@ def test_search_loses_a_node_its_trials_restart_or_fail_with_the_reason(cluster)
             return True
         done = [t for e, t in runs if e == epochs]
         if len(going) != 1 or len(done) != 1 or \
-                time.time() - (done[0] / "metrics.jsonl").stat().st_mtime < 5:
+                time.time() - (done[0] / files.METRICS_FILE).stat().st_mtime < 5:
             return False
         return bool(cluster.train_workers(node))
 
