@@ -142,6 +142,53 @@ def setup_hook_env(hook: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------- driver side
 
 
+# FALLBACK (2026-12-07). Train worker processes started as soon as the driver knows the run's
+# shape (issue #27): the raylet's PrestartWorkers RPC (Ray #48677, no public API) with the
+# runtime env Ray Train's controller gives its workers, whose serialised string the raylet
+# matches idle workers by: get_env_vars_to_propagate() + RAY_WARN_BLOCKING_GET_INSIDE_ASYNC
+# (train/v2 worker_group.py _get_worker_runtime_env, data_parallel_trainer.py) as the core
+# worker writes a child's env merged into its parent's (compact JSON, sorted keys). Missing (or
+# raylets with Train env vars of their own): the workers start when the controller asks.
+PRESTART = "ray.core.generated.node_manager_pb2.PrestartWorkersRequest"
+
+
+def _prestart_internals() -> tuple | None:
+    found = tuple(_internal(*name) for name in (
+        ("ray.core.generated.node_manager_pb2",), ("ray.core.generated.node_manager_pb2_grpc",),
+        ("ray.core.generated.common_pb2",), ("ray._private.grpc_utils", "init_grpc_channel"),
+        ("ray._private.utils", "get_runtime_env_info"), ("ray.train.v2._internal.constants",)))
+    ok = None not in found and hasattr(found[0], "PrestartWorkersRequest") and hasattr(
+        found[5], "DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE")
+    return found if ok else None
+
+
+def prestart_train_workers(env_vars: dict[str, str], count: int, keep_alive_s: int) -> bool:
+    """Ask this node's raylet for ``count`` processes of this job for Train workers whose
+    ``worker_runtime_env`` has ``env_vars``. False where this Ray lacks it (nothing asked)."""
+    found = _prestart_internals()
+    if found is None:
+        _lost(PRESTART)
+        return False
+    pb, stubs, common, channel, env_info, train = found
+    import ray
+    from ray.runtime_env import RuntimeEnv
+
+    env = train.get_env_vars_to_propagate()
+    env.setdefault(train.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                   train.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+    info = env_info(RuntimeEnv(env_vars=env | env_vars))
+    info.serialized_runtime_env = json.dumps({"env_vars": env | env_vars}, sort_keys=True,
+                                             separators=(",", ":"))
+    here = ray.get_runtime_context()
+    node = next(n for n in ray.nodes() if n["NodeID"] == here.get_node_id())
+    stubs.NodeManagerServiceStub(channel(f"{node['NodeManagerAddress']}:"
+                                         f"{node['NodeManagerPort']}")).PrestartWorkers(
+        pb.PrestartWorkersRequest(language=common.PYTHON, job_id=bytes.fromhex(here.get_job_id()),
+                                  runtime_env_info=info, keep_alive_duration_secs=keep_alive_s,
+                                  num_workers=count), timeout=10)
+    return True
+
+
 # FALLBACK. The checkpoint directories Ray Train registered: the run's checkpoint_manager_
 # snapshot.json (2.60 train/v2/_internal/constants.py; checkpoint_manager.py _save_state writes
 # it at every registration; a re-run resumes from its latest_checkpoint_result). A Ctrl-C between
@@ -715,6 +762,8 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
     PLACEMENT_GROUPS: (has_placement_group_table, "placement groups of ended trials are not "
                        "removed until the search ends; later trials may wait for their CPUs"),
     SETUP_HOOK_ENV: (lambda: bool(setup_hook_env("x")), "Train workers import as they go"),
+    PRESTART: (lambda: _prestart_internals() is not None,
+               "Train worker processes start when the controller asks for them (1.5-2 s later)"),
     CHECKPOINT_SNAPSHOT: (lambda: _internal("ray.train.v2._internal.constants",
                                             "CHECKPOINT_MANAGER_SNAPSHOT_FILENAME") is not None,
                           "every complete checkpoint directory counts as Ray's; unregistered "

@@ -51,9 +51,9 @@ def startup_phases(started_at: float, driver: list[tuple[str, float]], row: dict
                       ("model", worker.get("model")), ("first step", row["first_step_at"])]
     phases, last = [], started_at
     for name, at in marks:
-        if at:
-            phases.append((name, at - last))
-            last = at
+        if at:  # rank 0's process may predate the trainer: prestarted (driver.cluster)
+            phases.append((name, max(0.0, at - last)))
+            last = max(at, last)
     return phases
 
 

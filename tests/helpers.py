@@ -138,6 +138,22 @@ def wait_for_epoch(run_dir, epoch: int, proc, timeout: float = 180) -> None:
                f"epoch {epoch} reported", proc)
 
 
+def job_processes(job_id: str, env_vars: dict[str, str]) -> set[int]:
+    """PIDs of this machine's Ray worker processes of job ``job_id`` (hex) whose environment
+    has ``env_vars`` (named ``ray::IDLE``, ``ray::RayTrainWorker``... once registered)."""
+    want = {f"{k}={v}" for k, v in env_vars.items()} | {f"RAY_JOB_ID={job_id}"}
+    found = set()
+    for p in psutil.process_iter():
+        try:
+            cmd = " ".join(p.cmdline())
+            if (cmd.startswith("ray::") or "default_worker.py" in cmd) and want <= {
+                    f"{k}={v}" for k, v in p.environ().items()}:
+                found.add(p.pid)
+        except psutil.Error:  # gone, or not ours to read
+            continue
+    return found
+
+
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait until ``procs`` have exited (zombies count as gone); returns those still alive."""
     deadline = time.monotonic() + timeout

@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "raytrain"
 MAX_LINES = 600  # a module past this holds two jobs: split it (issue 29)
 # ray_compat's one job is every Ray internal raytrain uses (DESIGN.md: the only module that may
 # touch them), so it grows with them and cannot be split: a limit of its own.
-MAX_LINES_COMPAT = 750
+MAX_LINES_COMPAT = 800  # 750 until the prestart RPC (2026-12-07)
 PRIVATE_RAY = ("ray._private", "ray._raylet")
 # Private attributes of Ray objects raytrain reads or overrides: ray_compat's alone.
 PRIVATE_ATTRS = {"_experiment_analysis", "_trial_info", "_rungs", "_num_stopped", "_metric",
@@ -411,6 +411,14 @@ def test_checkpoint_snapshot_fallback_counts_every_complete_checkpoint(missing, 
 def test_setup_hook_fallback_is_no_env_var(missing):
     missing("ray._private.ray_constants")
     assert ray_compat.setup_hook_env("raytrain.worker.warm.start") == {}
+
+
+def test_prestart_fallback_asks_nothing(missing):
+    missing("ray.core.generated.node_manager_pb2")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert ray_compat.prestart_train_workers({"X": "1"}, 2, keep_alive_s=1) is False
+    assert len(_compat_warnings(record)) == 1
 
 
 def test_shutdown_order_fallback_is_rays_own_shutdown():

@@ -1,7 +1,8 @@
 """Fixed costs of a run (issue #27): a cluster raytrain starts knows its own address, so no
 process of it follows a stale /tmp/ray address file (tests/test_robustness.py shows the run
-that then ended 40 s late). The measured times are benchmarks/launcher_overhead.py's; this
-checks the mechanism, not a time."""
+that then ended 40 s late); the workers import torch from their process start, which the
+driver has Ray begin before the controller exists. The measured times are
+benchmarks/launcher_overhead.py's; this checks the mechanisms, not a time."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import subprocess
 import sys
 import textwrap
+
+from tests.helpers import job_processes, wait_until
 
 # A new cluster from ray_compat.init_local, in its own process.
 PROBE = textwrap.dedent("""
@@ -161,3 +164,46 @@ def test_the_train_controller_never_imports_torch(ray_cluster, tmp_path):
     rank = {"sum": 3.0, "world": 2, "backend": "gloo", "version": "str"}  # a 2-rank gloo group
     assert json.loads(seen.read_text()) == {"torch": False, "reports": [rank, rank]}
     assert list((tmp_path / "notorch" / "tensorboard").iterdir())  # events written
+
+
+def _write_pid(out_dir: str):
+    """A train function: each rank writes its process's PID."""
+    def train_fn(config):
+        import os
+
+        import ray.train
+
+        rank = ray.train.get_context().get_world_rank()
+        with open(os.path.join(out_dir, f"rank{rank}.pid"), "w") as f:
+            f.write(str(os.getpid()))
+    return train_fn
+
+
+def test_prestarted_processes_become_the_runs_train_workers(ray_cluster, tmp_path):
+    """driver.cluster.prestart_workers has this node's raylet start the workers' processes
+    before the controller exists (they import torch meanwhile, worker/warm.py). The raylet
+    gives an actor an idle process only if their runtime envs serialise to the same string
+    (ray_compat.prestart_train_workers rebuilds the one Ray Train's controller gives its
+    workers): the run's two workers are exactly the two processes started here, and none
+    is left over."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+
+    from raytrain import ray_compat
+    from raytrain.driver import cluster
+
+    job, env = ray.get_runtime_context().get_job_id(), cluster.worker_env()
+    before = job_processes(job, env)
+    cluster.prestart_workers(2)
+    started = wait_until(lambda: len(job_processes(job, env) - before) == 2 and (
+        job_processes(job, env) - before), 30, "two processes started")
+    result = ray_compat.make_trainer(
+        _write_pid(str(tmp_path)), fixed_cluster=False, driver_outlives_run=True,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(storage_path=str(tmp_path), name="prestarted",
+                             worker_runtime_env={"env_vars": env})).fit()
+    assert result.error is None
+    ranks = {int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)}
+    assert ranks == started, (ranks, started)
+    # an unused one would idle on until its keep-alive ends; the workers' exit at the run's end
+    wait_until(lambda: not job_processes(job, env) - before, 30, "the workers' processes gone")

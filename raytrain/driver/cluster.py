@@ -113,6 +113,34 @@ def start_state_actor(address: str | None = None) -> None:
     ray_compat.start_train_state_actor(address)
 
 
+# A prestarted worker nobody takes goes when the driver's job ends, or when idle after this.
+PRESTART_KEEP_ALIVE_S = 120
+
+
+def worker_env() -> dict[str, str]:
+    """The env vars of every Train worker's runtime env: each imports torch & co. from its
+    start (worker/warm.py)."""
+    from raytrain.worker import warm
+
+    return ray_compat.setup_hook_env(warm.HOOK)
+
+
+def prestart_workers(count: int) -> None:
+    """Have this node's raylet start ``count`` Train worker processes of this job now, so that
+    they import (worker/warm.py) while the controller starts and places the worker group,
+    which then takes them (``ray_compat.prestart_train_workers``). Asked once, before the
+    controller exists: a raylet drops what it cannot start at once (it starts at most as many
+    processes at a time as it has CPUs), and the controller starts the rest; asked again, a
+    late answer would start processes nobody takes."""
+    env = worker_env()
+    if count < 1 or not env:
+        return
+    try:
+        ray_compat.prestart_train_workers(env, count, PRESTART_KEEP_ALIVE_S)
+    except Exception:  # noqa: BLE001 - the raylet did not answer: the controller starts them
+        pass
+
+
 def start_head() -> str:
     """``ray start --head`` for --keep-cluster: the cluster and its dashboard outlive the run."""
     import subprocess

@@ -25,7 +25,7 @@ import yaml
 from raytrain import files, ray_compat, report, storage
 from raytrain.config import FIELDS, TrainConfig
 from raytrain.driver import console, tracking
-from raytrain.driver.cluster import train_env
+from raytrain.driver.cluster import prestart_workers, train_env, worker_env
 from raytrain.driver.nodes import NodeWatch
 from raytrain.driver.preflight import Shape, check_storage_writable, preflight
 from raytrain.errors import Interrupted, NoRoom, RaytrainError, TrainingError, short
@@ -195,7 +195,6 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.v2.api.config import LoggingConfig
 
-    from raytrain.worker import warm
     from raytrain.worker.ray_entry import train_loop_per_worker
 
     c = cfg.cluster
@@ -223,8 +222,7 @@ def build_trainer(cfg: TrainConfig, shape: Shape, callbacks: list | None = None,
             failure_config=FailureConfig(max_failures=c.max_failures,
                                          controller_failure_limit=3),
             callbacks=callbacks,
-            # Each worker process imports torch & co. from its start (worker/warm.py).
-            worker_runtime_env={"env_vars": ray_compat.setup_hook_env(warm.HOOK)},
+            worker_runtime_env={"env_vars": worker_env()},
             logging_config=LoggingConfig(log_level="INFO" if cfg.run.verbose else "WARNING")))
 
 
@@ -342,6 +340,7 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     if summary is not None:
         return summary
     done = prepare_run_dir(cfg, resume=resume, fresh=fresh)
+    prestart_workers(local_workers(cfg, shape))  # they import while the trainer is made
     if done:
         print(f"resuming run {cfg.run.name} from its epoch {done} checkpoint "
               f"({cfg.optim.epochs - done} epochs to go)", flush=True)
@@ -392,6 +391,18 @@ def fit(cfg: TrainConfig, started_at: float, resume: bool = False, fresh: bool =
     return Summary(cfg.run_location, rows, time.time() - started_at,
                    first[0]["first_step_at"] - started_at if first else None, model_path,
                    report.startup_phases(started_at, driver, first[0]) if first else None)
+
+
+def local_workers(cfg: TrainConfig, shape: Shape) -> int:
+    """How many of the run's workers start on this node, where all fit on it: their processes
+    are prestarted while the controller starts (driver.cluster.prestart_workers). On several
+    nodes, or with GPUs (not measured yet), the controller starts them."""
+    import ray
+
+    if not shape.one_host or shape.use_gpu:
+        return 0
+    c = cfg.cluster
+    return min(c.max_workers, int(ray.available_resources().get("CPU", 0) // c.worker_cpus))
 
 
 def remove_left_groups(record: str) -> None:
