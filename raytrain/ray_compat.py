@@ -176,8 +176,9 @@ def prestart_train_workers(env_vars: dict[str, str], count: int, keep_alive_s: i
     env = train.get_env_vars_to_propagate()
     env.setdefault(train.RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                    train.DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-    info = env_info(RuntimeEnv(env_vars=env | env_vars))
-    info.serialized_runtime_env = json.dumps({"env_vars": env | env_vars}, sort_keys=True,
+    env.update(env_vars)
+    info = env_info(RuntimeEnv(env_vars=env))
+    info.serialized_runtime_env = json.dumps({"env_vars": env}, sort_keys=True,
                                              separators=(",", ":"))
     here = ray.get_runtime_context()
     node = next(n for n in ray.nodes() if n["NodeID"] == here.get_node_id())

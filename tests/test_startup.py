@@ -195,8 +195,12 @@ def test_prestarted_processes_become_the_runs_train_workers(ray_cluster, tmp_pat
     job, env = ray.get_runtime_context().get_job_id(), cluster.worker_env()
     before = job_processes(job, env)
     cluster.prestart_workers(2)
-    started = wait_until(lambda: len(job_processes(job, env) - before) == 2 and (
-        job_processes(job, env) - before), 30, "two processes started")
+
+    def two_new() -> set[int]:
+        new = job_processes(job, env) - before
+        return new if len(new) == 2 else set()
+
+    started = wait_until(two_new, 30, "two processes started")
     result = ray_compat.make_trainer(
         _write_pid(str(tmp_path)), fixed_cluster=False, driver_outlives_run=True,
         scaling_config=ScalingConfig(num_workers=2),
