@@ -36,7 +36,10 @@ def ray_cluster(s3_server):
     from raytrain.driver.cluster import train_env
 
     train_env()
-    ctx = ray_compat.init_local(num_cpus=2, logging_level="WARNING")
+    # log_to_driver=False, as the CLI's own driver without --verbose: a process of an earlier
+    # test (a TrainController logging "[State Transition] ... -> FINISHED." at INFO) must not
+    # print into a later test's captured output (seen once in CI, in test_cli's one-line check).
+    ctx = ray_compat.init_local(num_cpus=2, logging_level="WARNING", log_to_driver=False)
     # init_local leaves the driver $RAY_ADDRESS (its own processes already have it): the tests'
     # child processes (`python -m raytrain.fit` without --address) must start a cluster of
     # their own, as from a user's shell, not join this one.
@@ -125,11 +128,25 @@ BY_COST = ("test_own_data.py", "test_node_loss.py", "test_fault_tolerance.py",
            "test_docs.py", "test_architecture.py", "test_data.py", "test_onprem.py")
 
 
+FULL_DISK = 0.90  # Ray's own limit (RAY_local_fs_capacity_threshold) is 0.95
+
+
 def pytest_configure(config):
     """xdist schedules files in collection order (``pytest_collection_modifyitems``), not
-    reordered by how many tests each has."""
+    reordered by how many tests each has. A disk too full for Ray to spill on ends the run
+    here, in one line, not as two streaming tests' OutOfDiskError half an hour in."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    import os
+    import shutil
+    import tempfile
+
+    where = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    disk = shutil.disk_usage(where)
+    if (disk.total - disk.free) / disk.total > FULL_DISK:
+        pytest.exit(f"the disk holding {where} (Ray's temp dir) is over {FULL_DISK:.0%} full "
+                    f"({disk.free / 2**30:.1f} GiB free): Ray refuses to spill objects at 95% "
+                    "and the streaming tests would fail; free some space first", returncode=3)
 
 
 def pytest_collection_modifyitems(items):
