@@ -113,6 +113,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         return [s.getsockname()[1] for s in sockets]
 
 
+def checkpoint_dirs(run_dir) -> list[str]:
+    """The run's checkpoint directories on disk, oldest first."""
+    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
+
+
 def metrics(run_dir) -> list[dict[str, Any]]:
     """The run's metrics.jsonl rows; [] before the first epoch."""
     return read_metrics(str(run_dir))

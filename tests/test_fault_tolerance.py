@@ -15,7 +15,7 @@ import torch
 from raytrain import fit
 from raytrain.config import TrainConfig
 from raytrain.worker.loop import Worker, run_worker
-from tests.helpers import metrics, wait_for_epoch, wait_until
+from tests.helpers import checkpoint_dirs, metrics, wait_for_epoch, wait_until
 
 # ~2 s epochs on this 2-core machine (16,000 images took 11 s: 2026-12-06): long enough to
 # kill a process mid-run, which the tests do within a second of an epoch's end.
@@ -199,16 +199,12 @@ def test_rerun_after_ctrl_c_says_where_it_resumes_and_keeps_what_it_should(ray_c
     assert "resuming run cut from its epoch 2 checkpoint (2 epochs to go)" in out, out
     assert "recovered" not in out, out
     assert [r["epoch"] for r in metrics(run_dir)] == [1, 2, 3, 4]
-    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
+    assert checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
     shutil.copytree(run_dir / "checkpoint_epoch_0004", run_dir / "checkpoint_epoch_0005")
     from raytrain.driver.run import prune_checkpoints
 
     prune_checkpoints(str(run_dir))  # what the driver does when a run ends, Ctrl-C or not
-    assert _checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
-
-
-def _checkpoint_dirs(run_dir) -> list[str]:
-    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
+    assert checkpoint_dirs(run_dir) == ["checkpoint_epoch_0004"]
 
 
 def test_corrupt_and_malicious_checkpoints_are_refused(tmp_path, capsys):

@@ -27,7 +27,7 @@ from raytrain import fit
 from raytrain import loop
 from raytrain.config import ConfigError
 from raytrain.models import SeedCNN
-from tests.helpers import fit_in_process
+from tests.helpers import checkpoint_dirs, fit_in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -42,13 +42,9 @@ def _jsonl(path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _checkpoints(run_dir) -> list[str]:
-    return sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
-
-
 def _state(run_dir) -> dict:
     """The newest checkpoint's training state, read the safe way."""
-    return torch.load(os.path.join(run_dir, _checkpoints(run_dir)[-1], "state.pt"),
+    return torch.load(os.path.join(run_dir, checkpoint_dirs(run_dir)[-1], "state.pt"),
                       weights_only=True)
 
 
@@ -94,7 +90,7 @@ def test_adamw_with_cosine_schedule_in_bf16_learns(adamw_run):
 
 def test_keep_checkpoints_keeps_that_many(adamw_run):
     run_dir, _ = adamw_run
-    assert len(_checkpoints(run_dir)) == 1  # 2 epochs, each checkpointed; the default keeps 2
+    assert len(checkpoint_dirs(run_dir)) == 1  # 2 epochs, each checkpointed; the default keeps 2
 
 
 def test_log_every_prints_rank0_loss_lines(adamw_run):
@@ -136,7 +132,7 @@ def test_constant_schedule_in_fp16_with_checkpoint_every(ray_cluster, tmp_path):
     assert [r["lr"] for r in rows] == [0.05, 0.05]
     # chance is 0.10; these settings gave 0.74-0.79 on seeds 0-3 (torchrun -m raytrain.loop)
     assert rows[-1]["test_acc"] > 0.3
-    assert _checkpoints(run_dir) == ["checkpoint_epoch_0002"]  # never epoch 1's
+    assert checkpoint_dirs(run_dir) == ["checkpoint_epoch_0002"]  # never epoch 1's
     state = _state(run_dir)
     assert state["scaler"] is not None and state["scaler"]["scale"] > 0  # GradScaler ran
     group = state["optimizer"]["param_groups"][0]

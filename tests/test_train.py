@@ -17,7 +17,7 @@ import yaml
 from raytrain import fit
 from raytrain.config import DATASET_DEFAULTS
 from raytrain.models import SeedCNN
-from tests.helpers import metrics, write_tiny_cifar
+from tests.helpers import checkpoint_dirs, metrics, write_tiny_cifar
 
 
 def _actors(cluster) -> dict[str, str]:
@@ -96,7 +96,7 @@ def test_model_pt_is_rank_0s_copy_or_exported_in_a_process_of_its_own(digits_run
     run_dir = digits_run.run_dir
     # The newest, and (--keep-checkpoints 2) the best by test_acc where an earlier epoch scored
     # higher (CI: epoch 13 at 1.0000 kept beside epoch 15 at 0.9972)
-    kept = sorted(d for d in os.listdir(run_dir) if d.startswith("checkpoint_epoch_"))
+    kept = checkpoint_dirs(run_dir)
     epochs = DATASET_DEFAULTS["digits"]["epochs"]
     assert 1 <= len(kept) <= 2 and kept[-1] == f"checkpoint_epoch_{epochs:04d}", kept
     last = kept[-1]
