@@ -58,14 +58,17 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg, run_fn, started_at: float, resume: bool, fresh: bool):
     """Connect (or start) the cluster, run ``run_fn``, stop a cluster raytrain started.
 
-    Ray Train and torch are imported already (preflight.check_inputs), on this one thread: a
-    second thread importing torch beside Ray's start left it half-initialised when its load
-    failed ("partially initialized module 'torch' has no attribute '_logging'", CI)."""
-    from raytrain.driver import cluster
+    Ray Train is imported in a thread beside Ray's start (preflight.ray_compat_checked); the
+    driver imports no torch there: a second thread importing torch beside Ray's start left it
+    half-initialised when its load failed ("partially initialized module 'torch' has no
+    attribute '_logging'", CI)."""
+    from raytrain.driver import cluster, preflight
 
-    started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
-                                      cfg.cluster.keep_cluster)
+    started_cluster = False
     try:
+        with preflight.ray_compat_checked():
+            started_cluster = cluster.connect(cfg.cluster.address, cfg.run.verbose,
+                                              cfg.cluster.keep_cluster)
         return run_fn(cfg, started_at, resume=resume, fresh=fresh)
     finally:
         cluster.disconnect(started_cluster)

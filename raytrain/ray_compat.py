@@ -16,11 +16,13 @@ the uses below against its sources, then widen the pin.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
 import logging
 import os
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -265,7 +267,8 @@ def init_local(**kwargs):
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        ctx = ray.init(address="local", **kwargs)
+        with _dashboard_beside_raylet():
+            ctx = ray.init(address="local", **kwargs)
     except BaseException:
         _set_env(before)
         raise
@@ -276,6 +279,63 @@ def init_local(**kwargs):
             _lost(GCS_PORT_ENV)
             os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
     return ctx
+
+
+# FALLBACK (2026-12-07). A new local cluster's dashboard starts beside its raylet: 2.60's
+# Node.start_head_processes waits for the dashboard's URL (1.6-1.7 s of a 3.5 s ray.init on 2
+# cores, _private/services.py start_api_server) before the raylet starts and registers (~1.4 s).
+# Here ray.init's Node runs start_api_server in a thread, awaited when the Node's __init__ ends,
+# before ray.init reads the URL (the raylet never does; default_worker.py rebuilds it). The
+# thread stays parked until shutdown(): the dashboard has PR_SET_PDEATHSIG (fate sharing), fired
+# when the *thread* that forked it ends (seen: killed at once). Missing: Ray's order, ~0.5 s.
+DASHBOARD_BESIDE_RAYLET = "ray._private.node.Node.start_api_server"
+_dashboard_parked = threading.Event()
+
+
+def _node_class():
+    node = _internal("ray._private.node", "Node")
+    return node if all(callable(getattr(node, m, None)) for m in (
+        "start_api_server", "start_head_processes", "start_ray_processes")) else None
+
+
+@contextlib.contextmanager
+def _dashboard_beside_raylet():
+    """During ``ray.init``: ray._private.node.Node is a subclass whose dashboard starts in a
+    thread (DASHBOARD_BESIDE_RAYLET)."""
+    base, module = _node_class(), _internal("ray._private.node")
+    if base is None:
+        _lost(DASHBOARD_BESIDE_RAYLET)
+        yield
+        return
+
+    class Node(base):
+        def __init__(self, *args, **kwargs):
+            self._dashboard = None  # (done, [error]) once start_api_server ran
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                if self._dashboard is not None:
+                    self._dashboard[0].wait()
+                    if self._dashboard[1]:
+                        raise self._dashboard[1][0]
+
+        def start_api_server(self, **kwargs):
+            done, failed = self._dashboard = threading.Event(), []
+
+            def start():
+                try:
+                    base.start_api_server(self, **kwargs)
+                except BaseException as err:  # noqa: BLE001 - raised again in __init__
+                    failed.append(err)
+                done.set()
+                _dashboard_parked.wait()  # the dashboard's parent thread lives on
+            threading.Thread(target=start, name="ray-dashboard", daemon=True).start()
+
+    module.Node = Node
+    try:
+        yield
+    finally:
+        module.Node = base
 
 
 # FALLBACK (2026-12-06). ray.shutdown() ends the processes it started a kind at a time, SIGTERM
@@ -296,6 +356,8 @@ def shutdown() -> None:
         except Exception:  # noqa: BLE001 - gone already; Ray's own shutdown does the rest
             pass
     importlib.import_module("ray").shutdown()
+    _dashboard_parked.set()  # the dashboard is gone: its parent thread may end
+    _dashboard_parked.clear()
     while _saved_env:
         _set_env(_saved_env.pop())
 
@@ -774,6 +836,9 @@ FALLBACKS: dict[str, tuple[Callable[[], bool], str]] = {
                    "a new local cluster may follow a stale /tmp/ray address file (runs end late)"),
     LOCAL_CPUS: (lambda: _internal("ray._private.utils", "get_num_cpus") is not None,
                  "a local cluster's CPUs are counted with os.cpu_count()"),
+    DASHBOARD_BESIDE_RAYLET: (lambda: _node_class() is not None,
+                              "a new local cluster starts its raylet after its dashboard is "
+                              "up (~1 s later)"),
     SHUTDOWN_ORDER: (lambda: hasattr(_internal("ray._private.worker"), "_global_node"),
                      "a local cluster's shutdown takes ~0.8 s longer"),
     ASHA_INTERNALS: (has_asha_internals, "Ray's plain ASHA runs, without raytrain's late check"),

@@ -23,7 +23,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "raytrain"
 MAX_LINES = 600  # a module past this holds two jobs: split it (issue 29)
 # ray_compat's one job is every Ray internal raytrain uses (DESIGN.md: the only module that may
 # touch them), so it grows with them and cannot be split: a limit of its own.
-MAX_LINES_COMPAT = 800  # 750 until the prestart RPC (2026-12-07)
+MAX_LINES_COMPAT = 860  # 750 until the prestart RPC, 800 until the dashboard thread (2026-12-07)
 PRIVATE_RAY = ("ray._private", "ray._raylet")
 # Private attributes of Ray objects raytrain reads or overrides: ray_compat's alone.
 PRIVATE_ATTRS = {"_experiment_analysis", "_trial_info", "_rungs", "_num_stopped", "_metric",
@@ -232,6 +232,12 @@ def test_required_internal_missing_is_one_line_at_start_up(missing, tmp_path, ca
     rc = fit.main(["--dry-run", "--dataset", "digits", "--storage-path", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "install ray==2.60.*" in err[0], err
+    # A run checks beside Ray's start (preflight.ray_compat_checked): the same line, no run
+    rc = fit.main(["--dataset", "digits", "--epochs", "1", "--storage-path", str(tmp_path),
+                   "--name", "never"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "install ray==2.60.*" in err[0], err
+    assert not (tmp_path / "never").exists()
 
 
 def test_report_logs_fallback_leaves_logging_alone(missing):

@@ -11,12 +11,16 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.helpers import job_processes, wait_until
 
 # A new cluster from ray_compat.init_local, in its own process.
 PROBE = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, sys, time, urllib.error, urllib.request
     from raytrain import ray_compat
+    if sys.argv[1] == "ray-order":  # the DASHBOARD_BESIDE_RAYLET fallback: Ray's own order
+        ray_compat._node_class = lambda: None
     before = dict(os.environ)
     ctx = ray_compat.init_local(logging_level="ERROR", num_cpus=2)
     import ray
@@ -33,6 +37,13 @@ PROBE = textwrap.dedent("""
     out = {"gcs": ctx.address_info["gcs_address"], "driver": os.environ.get("RAY_ADDRESS"),
            "driver_port": os.environ.get("RAY_GCS_SERVER_PORT"),
            "actor": ray.get(Probe.remote().address.remote()), "task": ray.get(task.remote())}
+    try:  # after the tasks above: the thread that started the dashboard has long returned
+        urllib.request.urlopen(f"http://{ctx.dashboard_url}/api/version", timeout=10)
+        out["dashboard"] = 200
+    except urllib.error.HTTPError as err:  # token auth on: it answers, and refuses us
+        out["dashboard"] = err.code
+    except OSError as err:
+        out["dashboard"] = str(err)
     ray_compat.shutdown()
     mine = ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT")  # ray.init sets others (RAY_AUTH_MODE...)
     out["restored"] = all(os.environ.get(k) == before.get(k) for k in mine)
@@ -40,12 +51,17 @@ PROBE = textwrap.dedent("""
 """)
 
 
-def test_a_new_cluster_and_every_process_it_starts_know_its_address():
-    proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+@pytest.mark.parametrize("order", ["beside", "ray-order"])
+def test_a_new_cluster_and_every_process_it_starts_know_its_address(order):
+    """...and its dashboard, started beside its raylet (ray_compat.DASHBOARD_BESIDE_RAYLET) or,
+    where this Ray lacks that, before it, is up and answers once ray.init returns (started from
+    a thread, it was killed with the thread at first: Ray's fate sharing)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, order], capture_output=True, text=True,
                           timeout=240, env={k: v for k, v in __import__("os").environ.items()
                                             if k != "RAY_ADDRESS"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["dashboard"] in (200, 401), out["dashboard"]
     assert out["driver"] == out["gcs"]  # not what /tmp/ray/ray_current_cluster says
     assert out["actor"] == out["gcs"]  # every process Ray starts inherits it
     assert out["task"][0] == out["gcs"]
