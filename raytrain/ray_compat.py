@@ -3,7 +3,7 @@
 Written against Ray 2.60 (2026-12-03); ``pyproject.toml`` pins ``ray==2.60.*``. Each use below
 says what it works around and what happens when a Ray version lacks it:
 
-- REQUIRED: ``check()`` (on the driver before ray.init; never on workers, never retried)
+- REQUIRED: ``check()`` (on the driver beside ray.init; never on workers, never retried)
   stops with one line naming the internal.
 - FALLBACK: raytrain runs without it, as documented there, and warns once
   (``RayCompatWarning``) naming what is lost.
