@@ -371,9 +371,9 @@ def test_elastic_run_waits_for_a_node_then_trains(one_cpu_head):
                              "waiting for resources: room for 1/2 workers", "grows")
 
 
-# How long the runs below wait for the node the test adds. A node's `ray start` took 8 s on a
-# normal suite run here and over 60 s on a loaded one (its agents' imports; see
-# LocalCluster._start); only a node that never joins makes a run wait all of it.
+# How long the runs below wait for the node the test adds. On a loaded machine its start can
+# take minutes: up to 3 tries, each up to Ray's 30 s and more (LocalCluster._start). Only a
+# node that never joins makes a run wait all of it.
 NODE_WAIT = "300"
 
 
